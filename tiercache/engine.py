@@ -1,0 +1,366 @@
+"""The tier engine: what one worker (one TP rank) does with blocks once they are in
+its CPU buffer. It writes them down to disk and S3 on background movers (bounded,
+dropping under backpressure rather than blocking the caller), and stages them back
+up from disk or S3 into CPU slots.
+
+It decides nothing about which slot holds which block: in vLLM the scheduler does,
+and `LocalTierCache` (below) does for standalone use (benchmarks, tests, tools)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.config import TierCacheConfig
+from tiercache.index import Deployment, RedisIndex
+from tiercache.leases import Claim, Leases, new_token
+from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
+from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.cpu import CpuBuffer, SlotAllocator, slots_for
+from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.format import ObjectHeader, checksum
+from tiercache.tiers.s3 import S3Tier
+
+log = logging.getLogger(__name__)
+
+DISK, S3, CPU = "disk", "s3", "cpu"
+
+
+@dataclass(frozen=True)
+class ObjectShape:
+    """What every object of one rank looks like: written into each object's header."""
+
+    model_digest: str
+    rank_digest: str
+    slot_bytes: int
+    layout: str = ""
+    dtype: str = ""
+    shapes: str = ""
+
+    def key(self, block_hash: bytes) -> str:
+        return f"{self.rank_digest}/{block_hash.hex()}"
+
+    def header(self, block_hash: bytes, data: memoryview) -> ObjectHeader:
+        return ObjectHeader(
+            key=self.key(block_hash),
+            namespace_digest=self.rank_digest,
+            nbytes=len(data),
+            checksum=checksum(data),
+            layout=self.layout,
+            dtype=self.dtype,
+            shapes=self.shapes,
+        )
+
+    @property
+    def object_bytes(self) -> int:
+        probe = ObjectHeader("0" * 16 + "/" + "0" * 64, self.rank_digest, self.slot_bytes, "0" * 16)
+        return probe.data_offset + self.slot_bytes
+
+
+@dataclass
+class WriteResult:
+    block_hash: bytes
+    slot: int | None
+    stored: dict[str, bool] = field(default_factory=dict)  # tier -> now holds the object
+
+
+def disk_root(config: TierCacheConfig) -> Path | None:
+    return config.disk.path if config.disk else None
+
+
+class TierEngine:
+    def __init__(
+        self,
+        config: TierCacheConfig,
+        shape: ObjectShape,
+        buffer: CpuBuffer,
+        *,
+        disk_capacity: int | None = None,
+        redis: GuardedRedis | None = None,
+        s3: S3Tier | None = None,
+        on_disk_remove: Callable[[str], None] | None = None,
+    ):
+        self.config = config
+        self.shape = shape
+        self.buffer = buffer
+        self.disk: DiskTier | None = None
+        if config.disk is not None:
+            self.disk = DiskTier(
+                config.disk.path,
+                disk_capacity or config.disk.capacity,
+                o_direct=config.disk.o_direct,
+                fsync=config.disk.fsync,
+                on_remove=on_disk_remove,
+            )
+        self.redis = redis
+        if self.redis is None and config.redis_url:
+            self.redis = GuardedRedis(config.redis_url, config.redis)
+        self.index = RedisIndex(self.redis) if self.redis else None
+        self.leases = (
+            Leases(self.redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl)
+            if self.redis
+            else None
+        )
+        self.s3 = s3 if s3 is not None else (S3Tier(config.s3) if config.s3 else None)
+        movers = config.movers
+        self._movers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-mover")
+        self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
+        self._queue_limit = movers.queue_depth
+        self._queued = 0
+        self._queue_lock = threading.Lock()
+        self._idle = threading.Condition(self._queue_lock)
+        self._closed = False
+
+    # -- registration -----------------------------------------------------------
+    def register(self, deployment: Deployment) -> None:
+        if self.index is None:
+            return
+        try:
+            self.index.register(deployment)
+        except RedisUnavailable:
+            log.warning("could not register deployment %s in redis yet", deployment.model_digest)
+
+    # -- write path ---------------------------------------------------------------
+    def write_down(
+        self,
+        block_hash: bytes,
+        slot: int | None,
+        on_done: Callable[[WriteResult], None],
+        data: bytes | None = None,
+        tiers: tuple[str, ...] = (DISK, S3),
+    ) -> bool:
+        """Queue a copy of the block (slot `slot` of the buffer, or `data`) to the lower
+        tiers. False if the queue is full: the write is dropped and on_done is called
+        with nothing stored. The slot must stay unchanged until on_done runs."""
+        result = WriteResult(block_hash, slot)
+        tiers = tuple(t for t in tiers if (t == DISK and self.disk) or (t == S3 and self.s3))
+        if not tiers:
+            on_done(result)
+            return True
+        with self._queue_lock:
+            if self._closed or self._queued >= self._queue_limit:
+                for tier in tiers:
+                    MOVER_DROPPED.labels(tier).inc()
+                full = True
+            else:
+                self._queued += 1
+                MOVER_QUEUE.labels("down").set(self._queued)
+                full = False
+        if full:
+            on_done(result)
+            return False
+        self._movers.submit(self._write_task, result, data, tiers, on_done)
+        return True
+
+    def _write_task(self, result, data, tiers, on_done) -> None:
+        try:
+            view = memoryview(data) if data is not None else self.buffer.view(result.slot)
+            header = self.shape.header(result.block_hash, view)
+            if DISK in tiers:
+                result.stored[DISK] = self.disk.put(header.key, view, header)
+            if S3 in tiers:
+                result.stored[S3] = self._upload(result.block_hash, view, header)
+        except Exception:  # a mover must survive anything a tier throws
+            log.exception("write of block %s failed", result.block_hash.hex())
+        finally:
+            try:
+                on_done(result)
+            finally:
+                with self._queue_lock:
+                    self._queued -= 1
+                    MOVER_QUEUE.labels("down").set(self._queued)
+                    if self._queued == 0:
+                        self._idle.notify_all()
+
+    def _upload(self, block_hash: bytes, view: memoryview, header: ObjectHeader) -> bool:
+        """Exactly one of many concurrent writers of a key uploads; the object is
+        indexed only after its PUT succeeded."""
+        model, rank = self.shape.model_digest, self.shape.rank_digest
+        token = new_token()
+        try:
+            claim = self.leases.claim_write(model, rank, block_hash, token)
+        except RedisUnavailable:
+            return False
+        if claim is Claim.PRESENT:
+            return True
+        if claim is Claim.HELD:
+            return False
+        uploaded = self.s3.put(header.key, view, header)
+        try:
+            if uploaded:
+                self.leases.publish(model, rank, block_hash, token)
+            else:
+                self.leases.release_write(model, rank, block_hash, token)
+        except RedisUnavailable:
+            return False  # uploaded but unindexed: invisible, and swept as an orphan
+        return uploaded
+
+    # -- read path ----------------------------------------------------------------
+    def stage(self, block_hash: bytes, slot: int, tier: str) -> bool:
+        """Read one block from `tier` into CPU slot `slot`, verified. False on any failure."""
+        out = self.buffer.view(slot)
+        key = self.shape.key(block_hash)
+        if tier == DISK and self.disk is not None:
+            ok = self.disk.get_into(key, out)
+        elif tier == S3 and self.s3 is not None:
+            ok = self._download(block_hash, key, out)
+        else:
+            ok = False
+        if ok:
+            LOOKUP_HITS.labels(tier).inc(0)  # make the series exist even before a hit
+        return ok
+
+    def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
+        model, rank = self.shape.model_digest, self.shape.rank_digest
+        token = new_token()
+        try:
+            if not self.leases.acquire_read(model, rank, block_hash, token):
+                return False
+        except RedisUnavailable:
+            return False
+        try:
+            ok = self.s3.get_into(key, out)
+            if not ok and self.index is not None:
+                # Missing or corrupt: drop the stale entry so no one else asks for it.
+                with contextlib.suppress(RedisUnavailable):
+                    self.index.remove(model, rank, block_hash)
+            return ok
+        finally:
+            try:
+                self.leases.release_read(model, rank, block_hash, token)
+            except RedisUnavailable:
+                pass  # the lease expires on its own
+
+    def stage_many(self, items: list[tuple[bytes, int, str]]) -> Future:
+        """Stage several blocks in parallel; the future's result is the list of
+        booleans in order."""
+
+        def run() -> list[bool]:
+            if len(items) == 1:
+                return [self.stage(*items[0])]
+            futures = [self._stage_pool_submit(item) for item in items]
+            return [f.result() for f in futures]
+
+        return self._stagers.submit(run)
+
+    def _stage_pool_submit(self, item: tuple[bytes, int, str]) -> Future:
+        if item[2] == S3 and self.s3 is not None:
+            return self.s3.pool.submit(self.stage, *item)
+        future: Future = Future()
+        try:
+            future.set_result(self.stage(*item))
+        except Exception as error:  # pragma: no cover - stage catches tier errors
+            future.set_exception(error)
+        return future
+
+    # -- lifecycle ----------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued writes are done; False if `timeout` passed first."""
+        timeout = self.config.movers.shutdown_flush_seconds if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Flush queued writes within the configured bound, then stop."""
+        if self._closed:
+            return
+        flushed = self.flush()
+        with self._queue_lock:
+            self._closed = True
+        if not flushed:
+            log.warning(
+                "shutdown: %d queued writes abandoned after %.1fs",
+                self._queued,
+                self.config.movers.shutdown_flush_seconds,
+            )
+        self._movers.shutdown(wait=flushed, cancel_futures=not flushed)
+        self._stagers.shutdown(wait=False, cancel_futures=True)
+        if self.s3 is not None:
+            self.s3.close()
+
+
+class LocalTierCache:
+    """A whole single-process tier cache over one TierEngine: its own slot allocator,
+    write-through or write-back, promote on hit. Used by the benchmarks, tests and
+    tools; the vLLM connector splits the same parts between scheduler and workers."""
+
+    def __init__(
+        self,
+        config: TierCacheConfig,
+        shape: ObjectShape,
+        *,
+        redis: GuardedRedis | None = None,
+        s3: S3Tier | None = None,
+        pin_memory: bool | None = None,
+    ):
+        self.config = config
+        self.shape = shape
+        num_slots = slots_for(config.cpu.capacity, shape.slot_bytes)
+        self.slots = SlotAllocator(num_slots, shape.slot_bytes)
+        self.buffer = CpuBuffer(num_slots, shape.slot_bytes, pin_memory=pin_memory)
+        self.engine = TierEngine(config, shape, self.buffer, redis=redis, s3=s3)
+        self.write_back = config.movers.policy == "write_back"
+
+    def _release(self, result: WriteResult) -> None:
+        if result.slot is not None:
+            self.slots.unpin(result.slot)
+
+    def _allocate(self, key: str) -> int:
+        slot, evicted = self.slots.allocate(key)
+        if evicted is not None and self.write_back:
+            # Write-back: the victim goes down now, from a copy, since its slot is reused.
+            victim = bytes.fromhex(evicted.split("/")[1])
+            self.engine.write_down(victim, None, lambda r: None, data=bytes(self.buffer.view(slot)))
+        return slot
+
+    def put(self, block_hash: bytes, data: bytes | memoryview) -> int:
+        """Store one block; returns its CPU slot. Lower tiers follow per the policy."""
+        key = self.shape.key(block_hash)
+        existing = self.slots.pin(key)
+        if existing is not None:
+            self.slots.unpin(existing)
+            return existing
+        slot = self._allocate(key)
+        self.buffer.view(slot)[:] = data
+        if self.write_back:
+            self.slots.unpin(slot)
+        else:
+            self.engine.write_down(block_hash, slot, self._release)
+        return slot
+
+    def get(self, block_hash: bytes) -> tuple[str, memoryview] | None:
+        """Find a block in the fastest tier that has it; a lower-tier hit is promoted
+        into a CPU slot. Returns (tier it came from, the slot's bytes) or None."""
+        key = self.shape.key(block_hash)
+        slot = self.slots.pin(key)
+        if slot is not None:
+            self.slots.unpin(slot)
+            LOOKUP_HITS.labels(CPU).inc()
+            return CPU, self.buffer.view(slot)
+        slot = self._allocate(key)
+        for tier in (DISK, S3):
+            if self.engine.stage(block_hash, slot, tier):
+                LOOKUP_HITS.labels(tier).inc()
+                if tier == S3 and self.engine.disk is not None and not self.write_back:
+                    self.engine.write_down(block_hash, slot, self._release, tiers=(DISK,))
+                else:
+                    self.slots.unpin(slot)
+                return tier, self.buffer.view(slot)
+        self.slots.unpin(slot)
+        self.slots.remove(key)
+        return None
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,43 @@
+"""Prometheus metrics, per tier and operation. One set per process; the service and
+each vLLM worker expose their own."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TIER_BYTES = Counter("tiercache_tier_bytes", "Bytes moved by a tier operation", ["tier", "op"])
+TIER_OPS = Counter("tiercache_tier_ops", "Tier operations by result", ["tier", "op", "result"])
+TIER_LATENCY = Histogram(
+    "tiercache_tier_latency_seconds",
+    "Latency of one tier operation",
+    ["tier", "op"],
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+)
+TIER_USAGE = Gauge("tiercache_tier_usage_bytes", "Bytes held by a tier", ["tier"])
+TIER_CAPACITY = Gauge("tiercache_tier_capacity_bytes", "Configured capacity of a tier", ["tier"])
+TIER_EVICTIONS = Counter("tiercache_tier_evictions", "Objects evicted from a tier", ["tier"])
+TIER_ERRORS = Counter("tiercache_tier_errors", "Tier errors by kind", ["tier", "kind"])
+LEASE_CONFLICTS = Counter("tiercache_lease_conflicts", "Write leases refused because another writer held one")
+MOVER_DROPPED = Counter("tiercache_mover_dropped", "Writes dropped under backpressure", ["tier"])
+MOVER_QUEUE = Gauge("tiercache_mover_queue_depth", "Writes queued for a tier", ["tier"])
+LOOKUP_BLOCKS = Counter("tiercache_lookup_blocks", "Blocks asked for in prefix lookups")
+LOOKUP_HITS = Counter("tiercache_lookup_hits", "Blocks found in prefix lookups", ["tier"])
+INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
+
+
+@contextmanager
+def timed(tier: str, op: str, nbytes: int = 0):
+    """Count one operation, its bytes and latency; an exception counts as an error."""
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        TIER_OPS.labels(tier, op, "error").inc()
+        raise
+    TIER_LATENCY.labels(tier, op).observe(time.perf_counter() - start)
+    TIER_OPS.labels(tier, op, "ok").inc()
+    if nbytes:
+        TIER_BYTES.labels(tier, op).inc(nbytes)

@@ -1,0 +1,102 @@
+"""One Redis connection (standalone, TLS or Cluster) with a circuit breaker: after a
+failure, calls are skipped for a backoff that grows to a cap, so an unreachable
+Redis costs the scheduler one short timeout, then nothing, until it comes back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from redis.cluster import RedisCluster
+
+from tiercache.config import RedisConfig, redact_url
+from tiercache.metrics import INDEX_ERRORS
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer, or is inside its backoff window."""
+
+
+def connect(url: str, settings: RedisConfig):
+    common = {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+    }
+    if url.startswith("rediss") and settings.ssl_ca_certs:
+        common["ssl_ca_certs"] = str(settings.ssl_ca_certs)
+    if "+cluster://" in url:
+        plain = url.replace("+cluster://", "://", 1)
+        return RedisCluster.from_url(plain, **common)
+    return redis.Redis.from_url(url, health_check_interval=0, **common)
+
+
+class GuardedRedis:
+    def __init__(self, url: str, settings: RedisConfig, client=None):
+        self.url = url
+        self.settings = settings
+        self.client = client if client is not None else connect(url, settings)
+        self.cluster = isinstance(self.client, RedisCluster)
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._closed_until = 0.0
+        self._scripts: dict[str, object] = {}
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._closed_until
+
+    def script(self, source: str):
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.client.register_script(source)
+        return script
+
+    def call(self, op: str, fn: Callable[[], T]) -> T:
+        """Run `fn` against Redis, or raise RedisUnavailable without waiting when the
+        breaker is open."""
+        if not self.available:
+            raise RedisUnavailable(f"redis {redact_url(self.url)} is in backoff")
+        try:
+            result = fn()
+        except (redis.RedisError, OSError) as error:
+            INDEX_ERRORS.labels(op).inc()
+            with self._lock:
+                self._failures += 1
+                backoff = min(
+                    self.settings.retry_backoff * 2 ** (self._failures - 1),
+                    self.settings.max_backoff,
+                )
+                self._closed_until = time.monotonic() + backoff
+            if self._failures == 1:
+                log.warning(
+                    "redis %s unreachable (%s); shared lookups are misses for %.1fs",
+                    redact_url(self.url),
+                    type(error).__name__,
+                    backoff,
+                )
+            raise RedisUnavailable(str(error)) from error
+        if self._failures:
+            with self._lock:
+                if self._failures:
+                    log.info("redis %s answers again", redact_url(self.url))
+                self._failures = 0
+                self._closed_until = 0.0
+        return result
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError, OSError):
+            self.client.close()

@@ -1,0 +1,153 @@
+"""The CPU tier: one host buffer of fixed-size slots, page-locked when CUDA is there
+so copies to and from the GPU run asynchronously, with LRU eviction and no
+allocation per block.
+
+The buffer (`CpuBuffer`) and the bookkeeping (`SlotAllocator`) are apart because in
+vLLM they live in different processes: the scheduler decides which slot holds which
+block, and each worker holds the bytes of its own TP shard in the same slot number."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
+
+TIER = "cpu"
+ALIGN = 4096
+
+
+class CpuTierFull(Exception):
+    """Every slot is pinned by an in-flight transfer."""
+
+
+class SlotAllocator:
+    """Maps keys to slot numbers with LRU eviction. A pinned slot (a transfer is
+    reading or writing it) is never handed to another key."""
+
+    def __init__(self, num_slots: int, slot_bytes: int = 0):
+        if num_slots < 1:
+            raise ValueError(f"the CPU tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self._pins: dict[int, int] = {}
+        self._detached: set[int] = set()  # removed while pinned: freed on last unpin
+        TIER_CAPACITY.labels(TIER).set(num_slots * slot_bytes)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._slot_of
+
+    def slot_of(self, key: str) -> int | None:
+        return self._slot_of.get(key)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._slot_of)
+
+    def touch(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._slot_of:
+                    self._slot_of.move_to_end(key)
+
+    def allocate(self, key: str) -> tuple[int, str | None]:
+        """A pinned slot for `key`, and the key evicted to make room (or None).
+        The caller fills the slot, then unpins it."""
+        with self._lock:
+            if key in self._slot_of:
+                raise KeyError(f"{key} already holds a slot")
+            evicted = None
+            if self._free:
+                slot = self._free.pop()
+            else:
+                evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
+                if evicted is None:
+                    raise CpuTierFull(f"all {self.num_slots} CPU slots are in use by transfers")
+                slot = self._slot_of.pop(evicted)
+                TIER_EVICTIONS.labels(TIER).inc()
+            self._slot_of[key] = slot
+            self._pins[slot] = 1
+            self._publish()
+            return slot, evicted
+
+    def pin(self, key: str) -> int | None:
+        """Pin `key`'s slot for a read (marks it recently used); None if absent."""
+        with self._lock:
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+                self._slot_of.move_to_end(key)
+            return slot
+
+    def unpin(self, slot: int) -> None:
+        with self._lock:
+            count = self._pins.get(slot, 0) - 1
+            if count > 0:
+                self._pins[slot] = count
+                return
+            self._pins.pop(slot, None)
+            if slot in self._detached:
+                self._detached.discard(slot)
+                self._free.append(slot)
+
+    def remove(self, key: str) -> bool:
+        """Forget `key` (a failed fill, a flush). A pinned slot is freed on its last unpin."""
+        with self._lock:
+            slot = self._slot_of.pop(key, None)
+            if slot is None:
+                return False
+            if slot in self._pins:
+                self._detached.add(slot)
+            else:
+                self._free.append(slot)
+            self._publish()
+            return True
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._slot_of)
+        return sum(self.remove(key) for key in keys)
+
+    def usage_bytes(self) -> int:
+        return len(self._slot_of) * self.slot_bytes
+
+    def _publish(self) -> None:
+        TIER_USAGE.labels(TIER).set(len(self._slot_of) * self.slot_bytes)
+
+
+class CpuBuffer:
+    """`num_slots` x `slot_bytes` of host memory, allocated once."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None):
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = pin_memory
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
+        raw = torch.empty(num_slots * slot_bytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+        offset = (-raw.data_ptr()) % ALIGN
+        self.tensor = raw[offset : offset + num_slots * slot_bytes].view(num_slots, slot_bytes)
+        # Touch every page now so the first hit does not pay for page faults.
+        self.tensor.zero_()
+        self._array = self.tensor.numpy()
+
+    def view(self, slot: int) -> memoryview:
+        """A writable view of one slot's bytes for file and socket I/O (no copy)."""
+        return memoryview(self._array[slot]).cast("B")
+
+
+def slots_for(capacity: int, slot_bytes: int) -> int:
+    num_slots = capacity // slot_bytes
+    if num_slots < 1:
+        raise ValueError(f"cpu.capacity ({capacity} bytes) is smaller than one block ({slot_bytes} bytes)")
+    return num_slots

@@ -1,0 +1,280 @@
+"""The disk tier: one safetensors file per object under a root directory on local
+NVMe, written to a temporary name and renamed, so a process killed mid-write never
+leaves a partial object under a real name. Capacity-bounded LRU, rebuilt from the
+directory on start."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from tiercache.tiers.format import (
+    DATA_ALIGN,
+    CorruptObject,
+    ObjectHeader,
+    check_header,
+    decode_header,
+    header_length,
+    verify,
+)
+
+from tiercache.keys import split_key
+from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
+
+log = logging.getLogger(__name__)
+TIER = "disk"
+SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity: int,
+        *,
+        o_direct: bool = False,
+        fsync: bool = False,
+        on_remove: Callable[[str], None] | None = None,
+    ):
+        self.root = Path(root)
+        self.capacity = capacity
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.fsync = fsync
+        self._on_remove = on_remove
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        self._usage = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._reindex()
+        TIER_CAPACITY.labels(TIER).set(capacity)
+
+    # -- naming -------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        digest, block = split_key(key)  # hex only: a key cannot name a path outside root
+        return self.root / digest / block[:2] / (block + SUFFIX)
+
+    # -- index --------------------------------------------------------------
+    def _reindex(self) -> None:
+        """Rebuild the LRU from the files present, oldest modification first, and
+        clear temporary files left by processes that died mid-write."""
+        found: list[tuple[float, str, int]] = []
+        for digest_dir in self.root.iterdir():
+            if not digest_dir.is_dir() or len(digest_dir.name) != 16:
+                continue
+            for path in digest_dir.glob("*/*"):
+                name = path.name
+                if name.startswith(TMP_PREFIX):
+                    self._clear_stale_temp(path)
+                    continue
+                if not name.endswith(SUFFIX):
+                    continue
+                key = f"{digest_dir.name}/{name[: -len(SUFFIX)]}"
+                try:
+                    split_key(key)
+                    stat = path.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((stat.st_mtime, key, stat.st_size))
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+            self._usage += size
+        TIER_USAGE.labels(TIER).set(self._usage)
+        if found:
+            log.info("disk tier %s: re-indexed %d objects, %d bytes", self.root, len(found), self._usage)
+        self._evict_to(self.capacity)
+
+    @staticmethod
+    def _clear_stale_temp(path: Path) -> None:
+        try:
+            pid = int(path.name[len(TMP_PREFIX) :].split("-")[0])
+        except ValueError:
+            pid = -1
+        if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
+            return
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._sizes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def usage_bytes(self) -> int:
+        return self._usage
+
+    # -- operations ---------------------------------------------------------
+    def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
+        """Write one object. False when it cannot be stored (full disk, no
+        permission): a store is dropped, never an error for the caller."""
+        path = self.path_of(key)
+        preamble = header.encode()
+        size = len(preamble) + len(data)
+        if size > self.capacity:
+            return False
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+                return True
+        self._evict_to(self.capacity - size)
+        tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}")
+        try:
+            with timed(TIER, "put", len(data)):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._write(tmp, preamble, data)
+                os.replace(tmp, path)
+        except OSError as error:
+            kind = "disk_full" if error.errno == errno.ENOSPC else "io"
+            TIER_ERRORS.labels(TIER, kind).inc()
+            log.warning("disk tier: dropped store of %s: %s", key, error)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
+        with self._lock:
+            self._sizes[key] = size
+            self._usage += size
+            TIER_USAGE.labels(TIER).set(self._usage)
+        return True
+
+    def _write(self, tmp: Path, preamble: bytes, data: memoryview) -> None:
+        direct = self.o_direct and _aligned(data)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            if direct:
+                # O_DIRECT needs aligned memory: copy the small preamble into an
+                # anonymous (page-aligned) map; the pages go straight from the slot.
+                with mmap.mmap(-1, len(preamble)) as aligned:
+                    aligned.write(preamble)
+                    _write_all(fd, memoryview(aligned))
+            else:
+                _write_all(fd, preamble)
+            _write_all(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def get_into(self, key: str, out: memoryview) -> bool:
+        """Read one object's pages straight into `out` and verify them. A missing
+        object is False; a corrupt one is removed, counted, and False."""
+        path = self.path_of(key)
+        try:
+            with timed(TIER, "get", len(out)):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    prefix = os.pread(fd, 8, 0)
+                    length = header_length(prefix)
+                    header = decode_header(os.pread(fd, length, 8))
+                    check_header(header, key, len(out))
+                    self._read_into(fd, out, 8 + length)
+                finally:
+                    os.close(fd)
+                verify(header, out)
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        except CorruptObject as error:
+            TIER_ERRORS.labels(TIER, "corrupt").inc()
+            log.warning("disk tier: corrupt object %s removed: %s", key, error)
+            self.delete(key)
+            return False
+        except OSError as error:
+            TIER_ERRORS.labels(TIER, "io").inc()
+            log.warning("disk tier: read of %s failed: %s", key, error)
+            return False
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+        return True
+
+    @staticmethod
+    def _read_into(fd: int, out: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
+            done += n
+
+    def read_header(self, key: str) -> ObjectHeader | None:
+        try:
+            with open(self.path_of(key), "rb") as f:
+                return decode_header(f.read(header_length(f.read(8))))
+        except (OSError, CorruptObject):
+            return None
+
+    def delete(self, key: str) -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(key).unlink()
+        return self._forget(key)
+
+    def _forget(self, key: str) -> bool:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is None:
+                return False
+            self._usage -= size
+            TIER_USAGE.labels(TIER).set(self._usage)
+        if self._on_remove:
+            self._on_remove(key)
+        return True
+
+    def _evict_to(self, budget: int) -> None:
+        while True:
+            with self._lock:
+                if self._usage <= budget or not self._sizes:
+                    return
+                victim = next(iter(self._sizes))
+            with contextlib.suppress(OSError):
+                self.path_of(victim).unlink()
+            if self._forget(victim):
+                TIER_EVICTIONS.labels(TIER).inc()
+
+    def touch(self, key: str) -> None:
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+        # Persist recency across restarts, which re-index by mtime.
+        with contextlib.suppress(OSError):
+            now = time.time()
+            os.utime(self.path_of(key), (now, now))
+
+
+def _aligned(data: memoryview) -> bool:
+    if len(data) % DATA_ALIGN:
+        return False
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if not data.readonly else 1
+    return address % DATA_ALIGN == 0
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

@@ -1,0 +1,110 @@
+"""The on-disk and in-S3 object format: a safetensors file holding one block's raw
+pages as a single U8 tensor named "kv", with a metadata header that says what the
+bytes are (namespace digest, key, layout, dtype, shapes, checksum).
+
+Anyone can open an object with `safetensors.safe_open`; nothing is unpickled. The
+header is padded so the pages start on a 4 KiB boundary, which lets reads and
+O_DIRECT writes move the pages straight between a CPU slot and the file."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+FORMAT_VERSION = "1"
+DATA_ALIGN = 4096
+TENSOR_NAME = "kv"
+_LEN = struct.Struct("<Q")
+
+
+class CorruptObject(Exception):
+    """An object whose header or checksum does not match what was asked for."""
+
+
+def checksum(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    key: str
+    namespace_digest: str
+    nbytes: int
+    checksum: str
+    layout: str = ""
+    dtype: str = ""
+    shapes: str = ""
+
+    def encode(self) -> bytes:
+        """The safetensors preamble (length + JSON), padded so the data is aligned."""
+        meta = {
+            "format": "tiercache",
+            "format_version": FORMAT_VERSION,
+            "key": self.key,
+            "namespace_digest": self.namespace_digest,
+            "checksum_xxh3_64": self.checksum,
+            "layout": self.layout,
+            "dtype": self.dtype,
+            "shapes": self.shapes,
+        }
+        header = {
+            "__metadata__": meta,
+            TENSOR_NAME: {"dtype": "U8", "shape": [self.nbytes], "data_offsets": [0, self.nbytes]},
+        }
+        body = json.dumps(header, separators=(",", ":")).encode()
+        total = _LEN.size + len(body)
+        padded = -(-total // DATA_ALIGN) * DATA_ALIGN
+        # safetensors allows trailing spaces in the header as padding.
+        body += b" " * (padded - total)
+        return _LEN.pack(len(body)) + body
+
+    @property
+    def data_offset(self) -> int:
+        return len(self.encode())
+
+
+def header_length(prefix: bytes) -> int:
+    if len(prefix) < _LEN.size:
+        raise CorruptObject("object shorter than its length prefix")
+    (length,) = _LEN.unpack_from(prefix)
+    if length > 1 << 20:
+        raise CorruptObject(f"header length {length} is not plausible")
+    return length
+
+
+def decode_header(raw: bytes) -> ObjectHeader:
+    """Parse the JSON part of a safetensors preamble into an ObjectHeader."""
+    try:
+        header = json.loads(raw)
+        meta = header["__metadata__"]
+        tensor = header[TENSOR_NAME]
+        nbytes = int(tensor["shape"][0])
+        if meta.get("format") != "tiercache" or tensor["data_offsets"] != [0, nbytes]:
+            raise CorruptObject("not a tiercache object")
+        return ObjectHeader(
+            key=meta["key"],
+            namespace_digest=meta["namespace_digest"],
+            nbytes=nbytes,
+            checksum=meta["checksum_xxh3_64"],
+            layout=meta.get("layout", ""),
+            dtype=meta.get("dtype", ""),
+            shapes=meta.get("shapes", ""),
+        )
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise CorruptObject(f"unreadable header: {error}") from None
+
+
+def check_header(header: ObjectHeader, key: str, nbytes: int) -> None:
+    if header.key != key:
+        raise CorruptObject(f"object holds key {header.key!r}, expected {key!r}")
+    if header.nbytes != nbytes:
+        raise CorruptObject(f"object holds {header.nbytes} bytes, expected {nbytes}")
+
+
+def verify(header: ObjectHeader, data: memoryview) -> None:
+    actual = checksum(data)
+    if actual != header.checksum:
+        raise CorruptObject(f"checksum mismatch for {header.key}: {actual} != {header.checksum}")

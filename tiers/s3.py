@@ -1,0 +1,198 @@
+"""The S3 tier: boto3 against any S3-compatible endpoint, with a bounded pool of
+parallel transfers, bounded timeouts and retries, and a checksum in every object's
+header verified on every read."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+from tiercache.tiers.format import (
+    CorruptObject,
+    ObjectHeader,
+    check_header,
+    decode_header,
+    header_length,
+    verify,
+)
+
+from tiercache.config import S3TierConfig
+from tiercache.keys import split_key
+from tiercache.metrics import TIER_ERRORS, timed
+
+log = logging.getLogger(__name__)
+TIER = "s3"
+SUFFIX = ".safetensors"
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class S3Unavailable(Exception):
+    """The endpoint did not answer within the configured timeouts."""
+
+
+def make_client(config: S3TierConfig):
+    boto_config = BotoConfig(
+        region_name=config.region,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        retries={"max_attempts": config.max_attempts, "mode": "standard"},
+        max_pool_connections=config.max_concurrency,
+        s3={"addressing_style": "path" if config.path_style else "auto"},
+        # Our own checksum covers the payload; skip botocore's extra CRC pass.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    # Credentials come from the standard AWS chain and never pass through here.
+    return boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=boto_config)
+
+
+class S3Tier:
+    def __init__(self, config: S3TierConfig, client=None):
+        self.config = config
+        self.bucket = config.bucket
+        self.client = client or make_client(config)
+        self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
+
+    def object_name(self, key: str) -> str:
+        digest, block = split_key(key)
+        return f"{self.config.prefix}{digest}/{block}{SUFFIX}"
+
+    def key_of(self, name: str) -> str | None:
+        if not name.startswith(self.config.prefix) or not name.endswith(SUFFIX):
+            return None
+        key = name[len(self.config.prefix) : -len(SUFFIX)]
+        try:
+            split_key(key)
+        except ValueError:
+            return None
+        return key
+
+    def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
+        """One PUT (atomic: readers see the whole object or none). False on failure."""
+        body = header.encode() + bytes(data)
+        try:
+            with timed(TIER, "put", len(data)):
+                self.client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body)
+            return True
+        except (BotoCoreError, ClientError) as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: dropped store of %s: %s", key, _describe(error))
+            return False
+
+    def get_into(self, key: str, out: memoryview) -> bool:
+        """GET one object straight into `out` and verify it. Missing, unreachable
+        or corrupt: False (a corrupt object is deleted and counted)."""
+        try:
+            with timed(TIER, "get", len(out)):
+                response = self.client.get_object(Bucket=self.bucket, Key=self.object_name(key))
+                stream = response["Body"]
+                try:
+                    prefix = _read_exact(stream, 8)
+                    header = decode_header(_read_exact(stream, header_length(prefix)))
+                    check_header(header, key, len(out))
+                    _read_into(stream, out)
+                finally:
+                    stream.close()
+                verify(header, out)
+            return True
+        except ClientError as error:
+            if _code(error) not in _MISSING:
+                TIER_ERRORS.labels(TIER, _kind(error)).inc()
+                log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
+            return False
+        except BotoCoreError as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
+            return False
+        except CorruptObject as error:
+            TIER_ERRORS.labels(TIER, "corrupt").inc()
+            log.warning("s3 tier: corrupt object %s removed: %s", key, error)
+            self.delete(key)
+            return False
+        except OSError as error:  # a connection cut mid-body
+            TIER_ERRORS.labels(TIER, "io").inc()
+            log.warning("s3 tier: get of %s broke off: %s", key, error)
+            return False
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.object_name(key))
+            return True
+        except ClientError as error:
+            if _code(error) in _MISSING:
+                return False
+            raise
+
+    def delete(self, key: str) -> bool:
+        try:
+            with timed(TIER, "delete"):
+                self.client.delete_object(Bucket=self.bucket, Key=self.object_name(key))
+            return True
+        except (BotoCoreError, ClientError) as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: delete of %s failed: %s", key, _describe(error))
+            return False
+
+    def list_objects(self, digest: str | None = None):
+        """Yield (key, size, last_modified) for every tiercache object under the prefix."""
+        prefix = self.config.prefix + (f"{digest}/" if digest else "")
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", ()):
+                key = self.key_of(item["Key"])
+                if key is not None:
+                    yield key, item["Size"], item["LastModified"]
+
+    def ping(self) -> bool:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+            return True
+        except (BotoCoreError, ClientError):
+            return False
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_exact(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise CorruptObject(f"object truncated: wanted {n} bytes, got {len(data)}")
+    return data
+
+
+def _read_into(stream, out: memoryview) -> None:
+    """Fill `out` from the response body without an intermediate buffer."""
+    raw = getattr(stream, "_raw_stream", None)
+    readinto = getattr(raw, "readinto", None)
+    done = 0
+    while done < len(out):
+        if readinto is not None:
+            n = readinto(out[done:])
+        else:
+            chunk = stream.read(min(len(out) - done, 1 << 20))
+            n = len(chunk)
+            out[done : done + n] = chunk
+        if not n:
+            raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
+        done += n
+    if stream.read(1):
+        raise CorruptObject("object longer than its header says")
+
+
+def _code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def _kind(error: Exception) -> str:
+    if isinstance(error, ClientError):
+        return "client_error"
+    return "unreachable"
+
+
+def _describe(error: Exception) -> str:
+    # botocore messages name the endpoint and operation, never the credentials.
+    return f"{type(error).__name__}: {error}"
