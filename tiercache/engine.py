@@ -22,7 +22,7 @@ from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.tiers.cpu import CpuBuffer, SlotAllocator, slots_for
+from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
@@ -139,7 +139,9 @@ class TierEngine:
         tiers. False if the queue is full: the write is dropped and on_done is called
         with nothing stored. The slot must stay unchanged until on_done runs."""
         result = WriteResult(block_hash, slot)
-        tiers = tuple(t for t in tiers if (t == DISK and self.disk) or (t == S3 and self.s3))
+        tiers = tuple(
+            t for t in tiers if (t == DISK and self.disk is not None) or (t == S3 and self.s3 is not None)
+        )
         if not tiers:
             on_done(result)
             return True
@@ -204,7 +206,9 @@ class TierEngine:
     # -- read path ----------------------------------------------------------------
     def stage(self, block_hash: bytes, slot: int, tier: str) -> bool:
         """Read one block from `tier` into CPU slot `slot`, verified. False on any failure."""
-        out = self.buffer.view(slot)
+        return self.read_into(block_hash, self.buffer.view(slot), tier)
+
+    def read_into(self, block_hash: bytes, out: memoryview, tier: str) -> bool:
         key = self.shape.key(block_hash)
         if tier == DISK and self.disk is not None:
             ok = self.disk.get_into(key, out)
@@ -212,8 +216,6 @@ class TierEngine:
             ok = self._download(block_hash, key, out)
         else:
             ok = False
-        if ok:
-            LOOKUP_HITS.labels(tier).inc(0)  # make the series exist even before a hit
         return ok
 
     def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
@@ -232,10 +234,9 @@ class TierEngine:
                     self.index.remove(model, rank, block_hash)
             return ok
         finally:
-            try:
+            # If Redis is gone the lease simply expires.
+            with contextlib.suppress(RedisUnavailable):
                 self.leases.release_read(model, rank, block_hash, token)
-            except RedisUnavailable:
-                pass  # the lease expires on its own
 
     def stage_many(self, items: list[tuple[bytes, int, str]]) -> Future:
         """Stage several blocks in parallel; the future's result is the list of
@@ -325,14 +326,20 @@ class LocalTierCache:
             self.engine.write_down(victim, None, lambda r: None, data=bytes(self.buffer.view(slot)))
         return slot
 
-    def put(self, block_hash: bytes, data: bytes | memoryview) -> int:
-        """Store one block; returns its CPU slot. Lower tiers follow per the policy."""
+    def put(self, block_hash: bytes, data: bytes | memoryview) -> int | None:
+        """Store one block; returns its CPU slot, or None when every slot is busy with
+        a transfer (the store is dropped, not waited for). Lower tiers follow per the
+        policy."""
         key = self.shape.key(block_hash)
         existing = self.slots.pin(key)
         if existing is not None:
             self.slots.unpin(existing)
             return existing
-        slot = self._allocate(key)
+        try:
+            slot = self._allocate(key)
+        except CpuTierFull:
+            MOVER_DROPPED.labels(CPU).inc()
+            return None
         self.buffer.view(slot)[:] = data
         if self.write_back:
             self.slots.unpin(slot)
@@ -349,7 +356,10 @@ class LocalTierCache:
             self.slots.unpin(slot)
             LOOKUP_HITS.labels(CPU).inc()
             return CPU, self.buffer.view(slot)
-        slot = self._allocate(key)
+        try:
+            slot = self._allocate(key)
+        except CpuTierFull:
+            return self._get_unpromoted(block_hash)
         for tier in (DISK, S3):
             if self.engine.stage(block_hash, slot, tier):
                 LOOKUP_HITS.labels(tier).inc()
@@ -360,6 +370,14 @@ class LocalTierCache:
                 return tier, self.buffer.view(slot)
         self.slots.unpin(slot)
         self.slots.remove(key)
+        return None
+
+    def _get_unpromoted(self, block_hash: bytes) -> tuple[str, memoryview] | None:
+        """Every slot is busy: read into a fresh buffer without promoting."""
+        out = memoryview(bytearray(self.shape.slot_bytes))
+        for tier in (DISK, S3):
+            if self.engine.read_into(block_hash, out, tier):
+                return tier, out
         return None
 
     def close(self) -> None:

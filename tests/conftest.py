@@ -1,0 +1,67 @@
+"""Shared fixtures: real servers on loopback. Where a Docker engine is present,
+testcontainers runs Redis and MinIO instead of the local processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from tiercache.testing.servers import RedisServer, create_bucket, start_moto
+
+
+def _docker_available() -> bool:
+    if os.environ.get("TIERCACHE_TEST_DOCKER", "auto") == "0" or shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+
+
+DOCKER = _docker_available()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    if DOCKER:
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7") as container:
+            host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+            yield f"redis://{host}:{port}/0"
+        return
+    server = RedisServer().start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A private redis-server this test may stop and restart."""
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    if DOCKER:
+        from testcontainers.minio import MinioContainer
+
+        with MinioContainer() as minio:
+            config = minio.get_config()
+            os.environ["AWS_ACCESS_KEY_ID"] = config["access_key"]
+            os.environ["AWS_SECRET_ACCESS_KEY"] = config["secret_key"]
+            yield f"http://{config['endpoint']}"
+        return
+    endpoint = start_moto()
+    yield endpoint.url
+    endpoint.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint):
+    name = f"tc-{uuid.uuid4().hex[:12]}"
+    create_bucket(s3_endpoint, name)
+    return name

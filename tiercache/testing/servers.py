@@ -1,0 +1,131 @@
+"""Start real servers on free loopback ports: redis-server (the Debian package) and
+moto's threaded S3 server (a real HTTP endpoint)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+class RedisServer:
+    """One redis-server process; stop() and start() keep its port, to test outages."""
+
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not installed: run scripts/bootstrap.sh (apt-get install redis-server)"
+            )
+        self.binary = binary
+        self.port = port or free_port()
+        self.extra_args = extra_args
+        self.dir = tempfile.mkdtemp(prefix="tiercache-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.dir,
+            *self.extra_args,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.port)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.BusyLoadingError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class S3Endpoint:
+    url: str
+    server: object
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_moto(port: int | None = None) -> S3Endpoint:
+    """moto's threaded S3 server on loopback. Sets dummy credentials for the process
+    if none are set (moto accepts any)."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = port or free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    _wait_port(port)
+    return S3Endpoint(url=f"http://127.0.0.1:{port}", server=server)
+
+
+def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
+    with suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=bucket)
+
+
+@contextmanager
+def local_stack(bucket: str = "tiercache"):
+    """redis-server and an S3 server with `bucket`, for the demo and benchmarks."""
+    redis_server = RedisServer().start()
+    s3 = start_moto()
+    try:
+        create_bucket(s3.url, bucket)
+        yield redis_server, s3
+    finally:
+        s3.stop()
+        redis_server.close()
