@@ -97,7 +97,9 @@ class DiskTierConfig(_Strict):
 
 
 class S3TierConfig(_Strict):
-    bucket: str = Field(min_length=3, max_length=63)
+    # AWS wants 3-63 characters; S3-compatible stores vary, and the endpoint refuses
+    # what it cannot hold, so only the characters are checked here ("kv" is allowed).
+    bucket: str = Field(min_length=1, max_length=63)
     prefix: str = ""
     endpoint_url: str | None = None
     region: str | None = None
@@ -111,7 +113,7 @@ class S3TierConfig(_Strict):
     @field_validator("bucket")
     @classmethod
     def _bucket_name(cls, bucket: str) -> str:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9.\-]{0,61}[a-z0-9])?", bucket):
             raise ValueError(f"s3.bucket {bucket!r} is not a valid S3 bucket name")
         return bucket
 

@@ -56,7 +56,7 @@ def object_key(rank_digest: str, block_hash_hex_value: str) -> str:
 
 
 def split_key(key: str) -> tuple[str, str]:
-    if not HEX_KEY.match(key):
+    if not HEX_KEY.fullmatch(key):  # fullmatch: "$" alone would let a trailing newline in
         raise ValueError(f"not a tiercache object key: {key!r}")
     digest, block = key.split("/")
     return digest, block

@@ -165,17 +165,14 @@ def _read_exact(stream, n: int) -> bytes:
 
 
 def _read_into(stream, out: memoryview) -> None:
-    """Fill `out` from the response body without an intermediate buffer."""
-    raw = getattr(stream, "_raw_stream", None)
-    readinto = getattr(raw, "readinto", None)
+    """Fill `out` from the response body in bounded chunks. Reading through the
+    StreamingBody (not its raw stream) keeps botocore's byte count right, so its
+    content-length check at the end of the body holds."""
     done = 0
     while done < len(out):
-        if readinto is not None:
-            n = readinto(out[done:])
-        else:
-            chunk = stream.read(min(len(out) - done, 1 << 20))
-            n = len(chunk)
-            out[done : done + n] = chunk
+        chunk = stream.read(min(len(out) - done, 1 << 20))
+        n = len(chunk)
+        out[done : done + n] = chunk
         if not n:
             raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
         done += n

@@ -1,0 +1,141 @@
+"""TierCacheConnector: the class vLLM loads through `kv_connector_module_path`.
+
+It holds the scheduler half in the engine core and the worker half in each worker,
+and forwards vLLM's calls to the half that exists in this process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tiercache.config import ConfigError, build_config
+
+from .metadata import TierCacheMetadata
+from .scheduler import TierCacheScheduler, slot_bytes_for
+from .spec import kv_specs
+from .stats import TierCachePromMetrics, TierCacheStats
+from .worker import TierCacheWorker
+
+log = logging.getLogger("tiercache.connector")
+
+
+class TierCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        try:
+            self.config = build_config(extra, source="kv_connector_extra_config")
+        except ConfigError as error:
+            # Raised at engine start, before any request: a clear message, not a trace.
+            raise ValueError(str(error)) from None
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A cache that cannot serve a block must cost a recompute, never a failed
+            # request; vLLM reads this policy after it builds the connector.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        specs = kv_specs(vllm_config, kv_cache_config, self.config)
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.slot_bytes = slot_bytes_for(kv_cache_config)
+        self.scheduler: TierCacheScheduler | None = None
+        self.worker: TierCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = TierCacheScheduler(
+                self.config, specs, kv_cache_config, worker_count=self.tp_size
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+            spec = specs[rank] if len(specs) > 1 else specs[0]
+            disk_share = self.config.disk.capacity // len(specs) if self.config.disk else 0
+            self.worker = TierCacheWorker(
+                self.config,
+                spec,
+                model_digest=specs[0].model_digest(),
+                num_blocks=kv_cache_config.num_blocks,
+                tp_rank=rank,
+                writes_lower_tiers=len(specs) > 1 or rank == 0,
+                disk_share=disk_share,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped store is a later miss, never lost work.
+        return False
+
+    # -- worker side --------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches, self.slot_bytes)
+
+    def _meta(self) -> TierCacheMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, TierCacheMetadata) else None
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self.worker is not None and meta is not None:
+            self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # stores are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self.worker is not None and meta is not None:
+            self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return None, self.worker.get_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self.worker.take_worker_meta() if self.worker is not None else None
+
+    def get_kv_connector_stats(self):
+        if self.worker is None:
+            return None
+        return self.worker.take_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # -- scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    # -- metrics ----------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return TierCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

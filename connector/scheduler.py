@@ -1,0 +1,313 @@
+"""The scheduler half of the connector: it finds the longest cached prefix of each
+request across the tiers, decides what each worker loads and stores, and owns the
+CPU tier's slot map (every TP rank keeps its own shard in the same slot number).
+
+It never waits on a worker: workers report what happened through worker metadata,
+and a block counts as cached only once every rank has reported it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
+from tiercache.tiers.disk import SUFFIX
+
+from tiercache.config import TierCacheConfig
+from tiercache.engine import CPU, DISK, S3, ObjectShape
+from tiercache.index import Deployment, RedisIndex
+from tiercache.keys import KVSpec
+from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
+from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+
+from .metadata import (
+    FAILURES,
+    FILL_FAILED,
+    FILLED,
+    OFF_DISK,
+    ON_DISK,
+    RELEASED,
+    BlockOp,
+    LoadJob,
+    TierCacheMetadata,
+    TierCacheWorkerMetadata,
+)
+
+log = logging.getLogger("tiercache.connector")
+
+
+@dataclass
+class _Lookup:
+    num_computed_tokens: int
+    tiers: list[str]  # tier of each block past the local hit, in order
+
+
+@dataclass
+class _Request:
+    request: object
+    block_ids: list[int] = field(default_factory=list)
+    next_block: int = 0  # blocks before this one are cached or planned
+
+
+def slot_bytes_for(kv_cache_config) -> int:
+    """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
+    copier lays them out)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        page = group.kv_cache_spec.page_size_bytes
+        total += (-(-page // 64) * 64) * len(group.layer_names)
+    return total
+
+
+class TierCacheScheduler:
+    def __init__(self, config: TierCacheConfig, specs: list[KVSpec], kv_cache_config, worker_count: int):
+        self.config = config
+        self.specs = specs
+        self.block_size = specs[0].block_size
+        self.model_digest = specs[0].model_digest()
+        self.rank_digests = [spec.digest() for spec in specs]
+        self.slot_bytes = slot_bytes_for(kv_cache_config)
+        self.slots = SlotAllocator(slots_for(config.cpu.capacity, self.slot_bytes), self.slot_bytes)
+        self.ready: set[bytes] = set()  # blocks whose CPU slot is filled on every rank
+        self.worker_count = worker_count
+        # MLA: one shared object, written by rank 0 alone.
+        self.disk_reporters = 1 if len(specs) == 1 and worker_count > 1 else worker_count
+        self.disk_view: OrderedDict[bytes, None] = OrderedDict()
+        if config.disk is not None:
+            self._scan_disk()
+        self.redis: GuardedRedis | None = None
+        self.index: RedisIndex | None = None
+        if config.redis_url and config.s3 is not None:
+            self.redis = GuardedRedis(config.redis_url, config.redis)
+            self.index = RedisIndex(self.redis)
+            self._register()
+        self._requests: dict[str, _Request] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._pending_write_backs: list[tuple[bytes, int]] = []
+        self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
+        self._event_counts: Counter = Counter()
+        self.stats: Counter = Counter()
+
+    # -- startup ------------------------------------------------------------------
+    def _scan_disk(self) -> None:
+        """Blocks whose object exists on disk for every rank: the node's disk tier
+        survives restarts, and this is how the scheduler learns what it holds."""
+        per_rank = []
+        for digest in self.rank_digests:
+            root = self.config.disk.path / digest
+            names = set()
+            if root.is_dir():
+                for sub in os.scandir(root):
+                    if sub.is_dir():
+                        names.update(
+                            e.name[: -len(SUFFIX)] for e in os.scandir(sub.path) if e.name.endswith(SUFFIX)
+                        )
+            per_rank.append(names)
+        common = set.intersection(*per_rank) if per_rank else set()
+        for name in common:
+            try:
+                self.disk_view[bytes.fromhex(name)] = None
+            except ValueError:
+                continue
+        if common:
+            log.info("tiercache: %d blocks found on disk from earlier runs", len(common))
+
+    def _register(self) -> None:
+        shape = ObjectShape(self.model_digest, self.rank_digests[0], self.slot_bytes)
+        deployment = Deployment(
+            model_digest=self.model_digest,
+            namespace=self.config.namespace,
+            model=self.specs[0].model,
+            tp_size=len(self.specs),
+            rank_digests=tuple(self.rank_digests),
+            object_bytes=shape.object_bytes,
+        )
+        try:
+            self.index.register(deployment)
+        except RedisUnavailable:
+            log.warning("tiercache: redis unreachable at startup; S3 lookups are misses until it answers")
+
+    # -- lookup -------------------------------------------------------------------
+    def _local_tier(self, block_hash: bytes) -> str | None:
+        if block_hash in self.ready:
+            return CPU
+        if block_hash in self.disk_view:
+            return DISK
+        return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        hashes = request.block_hashes
+        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        first = num_computed_tokens // self.block_size
+        if first >= limit:
+            return 0, False
+        cached = self._lookups.get(request.request_id)
+        if cached is not None and cached.num_computed_tokens == num_computed_tokens:
+            tiers = cached.tiers
+        else:
+            tiers = []
+            for i in range(first, limit):
+                tier = self._local_tier(hashes[i])
+                if tier is None:
+                    break
+                tiers.append(tier)
+            rest = first + len(tiers)
+            if rest < limit and self.index is not None:
+                try:
+                    found = self.index.longest_prefix(
+                        self.model_digest, self.rank_digests, [bytes(h) for h in hashes[rest:limit]]
+                    )
+                except RedisUnavailable:
+                    found = 0
+                tiers.extend([S3] * found)
+            else:
+                LOOKUP_BLOCKS.inc(limit - first)
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
+        if not tiers:
+            return 0, False
+        return len(tiers) * self.block_size, any(t != CPU for t in tiers)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _Request(request)
+        state.request = request
+        lookup = self._lookups.pop(req_id, None)
+        if num_external_tokens == 0 or lookup is None:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = lookup.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        ops: list[BlockOp] = []
+        for i, tier in enumerate(lookup.tiers[:count]):
+            block_hash = bytes(request.block_hashes[first + i])
+            ops.append(self._plan_load(block_hash, block_ids[first + i], tier))
+        is_async = any(op.tier not in (CPU, "") for op in ops)
+        job = LoadJob(req_id, ops, is_async)
+        self._pending_loads.append(job)
+        if is_async:
+            self._load_slots[req_id] = ops
+        state.next_block = max(state.next_block, first + count)
+        for op in ops:
+            if op.tier:
+                self.stats[f"hit_{op.tier}"] += 1
+                LOOKUP_HITS.labels(op.tier).inc()
+
+    def _plan_load(self, block_hash: bytes, gpu_block: int, tier: str) -> BlockOp:
+        """Pin the block's CPU slot (or a new one to stage it into). A block lost since
+        the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it."""
+        if tier == CPU:
+            slot = self.slots.pin(block_hash)
+            if slot is not None and block_hash in self.ready:
+                return BlockOp(block_hash, gpu_block, slot, CPU)
+            if slot is not None:
+                self.slots.unpin(slot)
+            tier = DISK if block_hash in self.disk_view else ""
+        if not tier:
+            return BlockOp(block_hash, gpu_block, -1, "")
+        if block_hash in self.slots:  # a store or another load is filling it right now
+            return BlockOp(block_hash, gpu_block, -1, "")
+        try:
+            slot = self._allocate(block_hash)
+        except CpuTierFull:
+            return BlockOp(block_hash, gpu_block, -1, "")
+        return BlockOp(block_hash, gpu_block, slot, tier)
+
+    def _allocate(self, block_hash: bytes) -> int:
+        slot, evicted = self.slots.allocate(block_hash)
+        if evicted is not None:
+            self.ready.discard(evicted)
+            if self.config.movers.policy == "write_back" and evicted not in self.disk_view:
+                self._pending_write_backs.append((evicted, slot))
+        return slot
+
+    # -- each step ------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> TierCacheMetadata:
+        meta = TierCacheMetadata(write_backs=self._pending_write_backs, loads=self._pending_loads, stores=[])
+        self._pending_write_backs = []
+        self._pending_loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_stores(state, new.req_id, new.num_computed_tokens, scheduler_output, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
+        # Write-backs found while planning stores this step still precede them.
+        meta.write_backs.extend(self._pending_write_backs)
+        self._pending_write_backs = []
+        # A lookup holds only until the step it was made for is planned.
+        self._lookups.clear()
+        return meta
+
+    def _plan_stores(self, state: _Request, req_id: str, computed: int, output, meta) -> None:
+        request = state.request
+        done_tokens = computed + output.num_scheduled_tokens.get(req_id, 0)
+        limit = min(done_tokens // self.block_size, len(request.block_hashes), len(state.block_ids))
+        if not self.config.store_decode:
+            limit = min(limit, request.num_prompt_tokens // self.block_size)
+        for i in range(state.next_block, limit):
+            block_hash = bytes(request.block_hashes[i])
+            if block_hash in self.slots or block_hash in self.disk_view:
+                continue
+            try:
+                slot = self._allocate(block_hash)
+            except CpuTierFull:
+                self.stats["store_dropped"] += 1
+                break
+            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU))
+        state.next_block = max(state.next_block, limit)
+
+    def update_connector_output(self, connector_output) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, TierCacheWorkerMetadata):
+            self.stats.update(worker_meta.hits)
+            for event, count in worker_meta.events.items():
+                self._on_event(event, count)
+        for req_id in connector_output.finished_recving or ():
+            self._load_slots.pop(req_id, None)
+
+    def _needed(self, kind: str) -> int:
+        if kind in FAILURES:
+            return 1
+        return self.disk_reporters if kind == ON_DISK else self.worker_count
+
+    def _on_event(self, event: tuple, count: int) -> None:
+        kind, value = event
+        total = self._event_counts[event] + count
+        if total < self._needed(kind):
+            self._event_counts[event] = total
+            return
+        self._event_counts.pop(event, None)
+        if kind == FILLED:
+            if value in self.slots:
+                self.ready.add(value)
+        elif kind == FILL_FAILED:
+            self.ready.discard(value)
+            self.slots.remove(value)
+        elif kind == RELEASED:
+            self.slots.unpin(value)
+        elif kind == ON_DISK:
+            self.disk_view[value] = None
+        elif kind == OFF_DISK:
+            self.disk_view.pop(value, None)
+
+    def request_finished(self, request) -> tuple[bool, None]:
+        # Stores copy out of the paged KV before the step ends: nothing to hold.
+        self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None

@@ -1,0 +1,68 @@
+"""Connector statistics as vLLM collects them: each worker reports counts per step,
+vLLM sums them, logs them, and shows them on its own /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+TIERS = ("cpu", "disk", "s3")
+# counter name in vLLM's /metrics -> (stats key prefix, help)
+_COUNTERS = {
+    "vllm:tiercache_loaded_blocks": ("loaded_blocks_", "Blocks loaded from a tiercache tier"),
+    "vllm:tiercache_loaded_bytes": ("loaded_bytes_", "Bytes loaded from a tiercache tier"),
+    "vllm:tiercache_failed_blocks": ("failed_blocks_", "Blocks a tiercache load could not serve"),
+}
+_STORED = ("vllm:tiercache_stored_blocks", "stored_blocks", "Blocks copied into the tiercache CPU tier")
+
+
+@dataclass
+class TierCacheStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, key: str, amount: int) -> None:
+        if amount:
+            self.data[key] = self.data.get(key, 0) + amount
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.add(key, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class TierCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._per_tier: dict[str, dict[tuple[int, str], Any]] = {}
+        for name, (_, help_text) in _COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=help_text, labelnames=[*labelnames, "tier"])
+            self._per_tier[name] = {
+                (engine, tier): counter.labels(*values, tier)
+                for engine, values in per_engine_labelvalues.items()
+                for tier in TIERS
+            }
+        name, _, help_text = _STORED
+        stored = self._counter_cls(name=name, documentation=help_text, labelnames=labelnames)
+        self._stored = {engine: stored.labels(*values) for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, (prefix, _) in _COUNTERS.items():
+            for tier in TIERS:
+                amount = transfer_stats_data.get(prefix + tier, 0)
+                if amount:
+                    self._per_tier[name][(engine_idx, tier)].inc(amount)
+        stored = transfer_stats_data.get(_STORED[1], 0)
+        if stored:
+            self._stored[engine_idx].inc(stored)

@@ -1,0 +1,236 @@
+"""The worker half of the connector (one per TP rank): copies blocks between vLLM's
+paged KV and this rank's CPU slots, and runs the tier engine that moves them to and
+from disk and S3. Everything it does is reported back as events; a load that cannot
+be served is reported as failed blocks, which vLLM recomputes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from tiercache.tiers.cpu import CpuBuffer, slots_for
+
+from tiercache.config import TierCacheConfig
+from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
+from tiercache.keys import KVSpec
+
+from .copier import PagedKVCopier
+from .metadata import (
+    FILL_FAILED,
+    FILLED,
+    OFF_DISK,
+    ON_DISK,
+    RELEASED,
+    BlockOp,
+    LoadJob,
+    TierCacheMetadata,
+    TierCacheWorkerMetadata,
+)
+from .stats import TierCacheStats
+
+log = logging.getLogger("tiercache.connector")
+
+
+@dataclass
+class _AsyncLoad:
+    job: LoadJob
+    staged: Future | None  # results of staging the non-CPU blocks, in order
+
+
+class TierCacheWorker:
+    def __init__(
+        self,
+        config: TierCacheConfig,
+        spec: KVSpec,
+        model_digest: str,
+        num_blocks: int,
+        tp_rank: int,
+        writes_lower_tiers: bool,
+        disk_share: int,
+    ):
+        self.config = config
+        self.spec = spec
+        self.model_digest = model_digest
+        self.num_blocks = num_blocks
+        self.tp_rank = tp_rank
+        self.writes_lower_tiers = writes_lower_tiers
+        self.disk_share = disk_share
+        self.copier: PagedKVCopier | None = None
+        self.buffer: CpuBuffer | None = None
+        self.engine: TierEngine | None = None
+        self.disabled_reason: str | None = None
+        self._lock = threading.Lock()
+        self._events: Counter = Counter()
+        self._hits: Counter = Counter()
+        self._async: list[_AsyncLoad] = []
+        self._finished_recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._stats = TierCacheStats()
+
+    # -- setup --------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
+        copier = PagedKVCopier(kv_caches, self.num_blocks)
+        if copier.slot_bytes != expected_slot_bytes:
+            # The scheduler sized slots from the KV cache config; if the tensors say
+            # otherwise, copying would mix blocks. Serve without the cache instead.
+            self.disabled_reason = (
+                f"KV tensors hold {copier.slot_bytes} bytes per block, the KV cache config says "
+                f"{expected_slot_bytes}: tiercache is off for this engine"
+            )
+            log.error("tiercache: %s", self.disabled_reason)
+            return
+        self.copier = copier
+        num_slots = slots_for(self.config.cpu.capacity, copier.slot_bytes)
+        self.buffer = CpuBuffer(num_slots, copier.slot_bytes)
+        layout, dtype, shapes = copier.describe()
+        shape = ObjectShape(self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes)
+        self.engine = TierEngine(
+            self.config,
+            shape,
+            self.buffer,
+            disk_capacity=self.disk_share,
+            on_disk_remove=self._on_disk_remove,
+        )
+        log.info(
+            "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s",
+            self.tp_rank,
+            num_slots,
+            copier.slot_bytes,
+            "pinned" if self.buffer.pinned else "pageable",
+            self.engine.disk is not None,
+            self.engine.s3 is not None,
+        )
+
+    def _on_disk_remove(self, key: str) -> None:
+        self._emit(OFF_DISK, bytes.fromhex(key.split("/")[1]))
+
+    def _emit(self, kind: str, value) -> None:
+        with self._lock:
+            self._events[(kind, value)] += 1
+
+    # -- loads ----------------------------------------------------------------------
+    def start_load_kv(self, meta: TierCacheMetadata) -> None:
+        if self.engine is None:
+            self._fail_all(meta)
+            return
+        for block_hash, slot in meta.write_backs:
+            # The slot is reused this step: write the old block down from a copy.
+            data = bytes(self.buffer.view(slot))
+            self.engine.write_down(block_hash, None, self._after_write, data=data)
+        for job in meta.loads:
+            if job.is_async:
+                staged = [(op.block_hash, op.slot, op.tier) for op in job.ops if op.tier in (DISK, S3)]
+                future = self.engine.stage_many(staged) if staged else None
+                self._async.append(_AsyncLoad(job, future))
+            else:
+                self._finish_load(job.ops, staged_ok={})
+        self._poll_async()
+
+    def _poll_async(self) -> None:
+        still = []
+        for load in self._async:
+            if load.staged is not None and not load.staged.done():
+                still.append(load)
+                continue
+            results = load.staged.result() if load.staged is not None else []
+            staged_ops = [op for op in load.job.ops if op.tier in (DISK, S3)]
+            staged_ok = {id(op): ok for op, ok in zip(staged_ops, results, strict=True)}
+            self._finish_load(load.job.ops, staged_ok)
+            self._finished_recving.add(load.job.req_id)
+        self._async = still
+
+    def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
+        """Copy the good blocks into the paged KV; report the rest as failed. Blocks
+        after a failed one are failed too: a prefix must be whole."""
+        good: list[BlockOp] = []
+        failed = False
+        for op in ops:
+            ok = op.tier == CPU or staged_ok.get(id(op), False)
+            if op.tier in (DISK, S3):
+                self._emit(FILLED if ok else FILL_FAILED, op.block_hash)
+            if ok and not failed:
+                good.append(op)
+                self._hits[op.tier] += 1
+                self._stats.add(f"loaded_blocks_{op.tier}", 1)
+                self._stats.add(f"loaded_bytes_{op.tier}", self.buffer.slot_bytes)
+            else:
+                failed = True
+                self._failed_blocks.add(op.gpu_block)
+                self._stats.add(f"failed_blocks_{op.tier or 'cpu'}", 1)
+        if good:
+            self.copier.from_slots([op.slot for op in good], [op.gpu_block for op in good], self.buffer)
+        for op in ops:
+            if op.slot < 0:
+                continue
+            if op.tier == S3 and staged_ok.get(id(op)) and self.writes_lower_tiers:
+                # Promoted from S3: keep a copy on this node's disk too.
+                self.engine.write_down(op.block_hash, op.slot, self._after_write, tiers=(DISK,))
+            else:
+                self._emit(RELEASED, op.slot)
+
+    def _fail_all(self, meta: TierCacheMetadata) -> None:
+        for job in meta.loads:
+            for op in job.ops:
+                self._failed_blocks.add(op.gpu_block)
+                if op.tier in (DISK, S3):
+                    self._emit(FILL_FAILED, op.block_hash)
+                if op.slot >= 0:
+                    self._emit(RELEASED, op.slot)
+            if job.is_async:
+                self._finished_recving.add(job.req_id)
+        for op in meta.stores:
+            self._emit(FILL_FAILED, op.block_hash)
+            self._emit(RELEASED, op.slot)
+
+    # -- stores ---------------------------------------------------------------------
+    def wait_for_save(self, meta: TierCacheMetadata) -> None:
+        if self.engine is None or not meta.stores:
+            return
+        ops = meta.stores
+        self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
+        self._stats.add("stored_blocks", len(ops))
+        for op in ops:
+            self._emit(FILLED, op.block_hash)
+            if self.writes_lower_tiers:
+                self.engine.write_down(op.block_hash, op.slot, self._after_write)
+            else:
+                self._emit(RELEASED, op.slot)
+
+    def _after_write(self, result: WriteResult) -> None:
+        """Runs on a mover thread when a block's write-down ended, stored or not."""
+        if result.stored.get(DISK):
+            self._emit(ON_DISK, result.block_hash)
+        if result.slot is not None:
+            self._emit(RELEASED, result.slot)
+
+    # -- reporting ------------------------------------------------------------------
+    def get_finished(self) -> set[str]:
+        self._poll_async()
+        done, self._finished_recving = self._finished_recving, set()
+        return done
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        with self._lock:
+            if not self._events and not self._hits:
+                return None
+            meta = TierCacheWorkerMetadata(self._events, self._hits)
+            self._events, self._hits = Counter(), Counter()
+        return meta
+
+    def take_stats(self) -> TierCacheStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, TierCacheStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,520 @@
+"""The storage tiers on their own: CPU slots, disk files, S3 objects, and the
+safetensors object format they share."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+from safetensors import safe_open
+
+from tiercache.config import S3TierConfig
+from tiercache.keys import split_key
+from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
+from tiercache.tiers.disk import TMP_PREFIX, DiskTier
+from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
+from tiercache.tiers.s3 import S3Tier
+
+DIGEST = "0123456789abcdef"
+BLOCK = 64 * 1024
+
+
+def key_of(i: int, digest: str = DIGEST) -> str:
+    return f"{digest}/{i:064x}"
+
+
+def payload(i: int, size: int = BLOCK) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def header_for(key: str, data: bytes | memoryview) -> ObjectHeader:
+    return ObjectHeader(
+        key=key,
+        namespace_digest=key.split("/")[0],
+        nbytes=len(data),
+        checksum=checksum(data),
+        layout="LBHNC",
+        dtype="bfloat16",
+        shapes="[[2,8,32,128]]",
+    )
+
+
+def put(tier, i: int, size: int = BLOCK) -> bytes:
+    data = payload(i, size)
+    key = key_of(i)
+    assert tier.put(key, memoryview(data), header_for(key, data))
+    return data
+
+
+def read(tier, i: int, size: int = BLOCK) -> bytes | None:
+    out = bytearray(size)
+    return bytes(out) if tier.get_into(key_of(i), memoryview(out)) else None
+
+
+def errors(tier: str, kind: str) -> float:
+    return REGISTRY.get_sample_value("tiercache_tier_errors_total", {"tier": tier, "kind": kind}) or 0.0
+
+
+def evictions(tier: str) -> float:
+    return REGISTRY.get_sample_value("tiercache_tier_evictions_total", {"tier": tier}) or 0.0
+
+
+# -- CPU ------------------------------------------------------------------------------
+
+
+def test_slot_allocator_lru():
+    slots = SlotAllocator(3, BLOCK)
+    taken = {}
+    for name in "abc":
+        slot, evicted = slots.allocate(name)
+        assert evicted is None
+        taken[name] = slot
+        slots.unpin(slot)
+    assert sorted(taken.values()) == [0, 1, 2]
+    # A read makes "a" the most recent: "b" is now the oldest.
+    assert slots.pin("a") == taken["a"]
+    slots.unpin(taken["a"])
+    before = evictions("cpu")
+    slot, evicted = slots.allocate("d")
+    assert evicted == "b" and slot == taken["b"]
+    assert evictions("cpu") == before + 1
+    assert "b" not in slots and slots.slot_of("d") == slot
+    slots.unpin(slot)
+    slots.touch(["c"])
+    assert slots.keys() == ["a", "d", "c"]
+    with pytest.raises(KeyError):
+        slots.allocate("a")
+
+
+def test_slot_allocator_never_hands_out_a_pinned_slot():
+    slots = SlotAllocator(2, BLOCK)
+    a, _ = slots.allocate("a")  # pinned: being filled
+    b, _ = slots.allocate("b")
+    slots.unpin(b)
+    slot, evicted = slots.allocate("c")  # "a" is older but pinned: "b" goes
+    assert evicted == "b" and slot == b
+    with pytest.raises(CpuTierFull):
+        slots.allocate("d")  # both pinned
+    # Two readers of one slot: it stays pinned until the last one lets go.
+    slots.unpin(a)
+    assert slots.pin("a") == a and slots.pin("a") == a  # "a" is now the most recent
+    slots.unpin(slot)
+    slot_e, evicted = slots.allocate("e")
+    assert evicted == "c" and slot_e == slot
+    with pytest.raises(CpuTierFull):
+        slots.allocate("f")  # "e" is being filled, "a" has two readers
+    slots.unpin(a)
+    with pytest.raises(CpuTierFull):
+        slots.allocate("f")  # one reader left
+    slots.unpin(a)
+    assert slots.allocate("f") == (a, "a")
+
+
+def test_slot_removed_while_pinned_is_freed_on_last_unpin():
+    slots = SlotAllocator(1, BLOCK)
+    slot, _ = slots.allocate("a")
+    assert slots.remove("a")
+    assert "a" not in slots and not slots.remove("a")
+    with pytest.raises(CpuTierFull):
+        slots.allocate("b")  # the slot is still being written
+    slots.unpin(slot)
+    assert slots.allocate("b") == (slot, None)
+    assert slots.usage_bytes() == BLOCK
+    assert slots.clear() == 1 and len(slots) == 0
+
+
+def test_cpu_buffer_round_trip():
+    buffer = CpuBuffer(4, BLOCK, pin_memory=False)
+    assert buffer.tensor.data_ptr() % DATA_ALIGN == 0
+    assert buffer.tensor.shape == (4, BLOCK)
+    for slot in range(4):
+        buffer.view(slot)[:] = payload(slot)
+    for slot in range(4):
+        assert bytes(buffer.view(slot)) == payload(slot)
+    # Views alias the one buffer: no copy per block.
+    assert buffer.tensor[2].numpy().tobytes() == payload(2)
+    view = buffer.view(3)
+    view[:4] = b"\x00\x01\x02\x03"
+    assert buffer.tensor[3, :4].tolist() == [0, 1, 2, 3]
+
+
+def test_slots_for():
+    assert slots_for(10 * BLOCK + 5, BLOCK) == 10
+    with pytest.raises(ValueError, match="smaller than one block"):
+        slots_for(BLOCK - 1, BLOCK)
+    with pytest.raises(ValueError):
+        SlotAllocator(0)
+
+
+# -- keys and names ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../../etc/passwd",
+        f"{DIGEST}/../{'0' * 64}",
+        f"{DIGEST}/{'0' * 62}/x",
+        f"/{DIGEST}/{'0' * 64}",
+        f"{DIGEST}/{'0' * 32}/{'0' * 32}",
+        f"..{DIGEST[2:]}/{'0' * 64}",
+        f"{DIGEST}/{'0' * 63}.",
+        f"{DIGEST.upper()}/{'0' * 64}",
+        f"{DIGEST}\\{'0' * 64}",
+        f"{DIGEST}/{'0' * 64}\n",
+        "",
+    ],
+)
+def test_keys_cannot_name_paths(bad, tmp_path):
+    with pytest.raises(ValueError):
+        split_key(bad)
+    tier = DiskTier(tmp_path / "root", 1 << 20)
+    with pytest.raises(ValueError):
+        tier.path_of(bad)
+    with pytest.raises(ValueError):
+        S3Tier(S3TierConfig(bucket="kv"), client=object()).object_name(bad)
+
+
+def test_disk_paths_stay_under_the_root(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    path = tier.path_of(key_of(7))
+    assert path.resolve().is_relative_to(tmp_path.resolve())
+    assert path.name.endswith(".safetensors")
+
+
+# -- disk ---------------------------------------------------------------------------------
+
+
+def test_disk_round_trip(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    data = put(tier, 1)
+    assert read(tier, 1) == data
+    assert key_of(1) in tier and len(tier) == 1
+    assert tier.read_header(key_of(1)).checksum == checksum(data)
+    assert read(tier, 2) is None  # a miss is not an error
+    assert tier.usage_bytes() == tier.path_of(key_of(1)).stat().st_size
+    # Putting a key again is a no-op that succeeds.
+    assert tier.put(key_of(1), memoryview(data), header_for(key_of(1), data))
+    assert len(tier) == 1
+    assert tier.delete(key_of(1)) and not tier.path_of(key_of(1)).exists()
+    assert tier.usage_bytes() == 0
+
+
+def test_disk_o_direct_round_trip(tmp_path):
+    buffer = CpuBuffer(2, BLOCK, pin_memory=False)
+    buffer.view(0)[:] = payload(3)
+    tier = DiskTier(tmp_path, 1 << 30, o_direct=True, fsync=True)
+    key = key_of(3)
+    assert tier.put(key, buffer.view(0), header_for(key, payload(3)))
+    assert tier.get_into(key, buffer.view(1))
+    assert bytes(buffer.view(1)) == payload(3)
+    # An unaligned source falls back to buffered writes instead of failing.
+    odd = payload(4, BLOCK - 100)
+    assert tier.put(key_of(4), memoryview(odd), header_for(key_of(4), odd))
+    assert read(tier, 4, BLOCK - 100) == odd
+
+
+def test_disk_capacity_evicts_least_recently_used(tmp_path):
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    put(probe, 0)
+    object_bytes = probe.usage_bytes()
+    tier = DiskTier(tmp_path / "tier", 3 * object_bytes)
+    for i in range(3):
+        put(tier, i)
+    assert read(tier, 0) is not None  # 0 is now the most recent; 1 is the oldest
+    before = evictions("disk")
+    put(tier, 3)
+    assert sorted(tier.keys()) == sorted([key_of(0), key_of(2), key_of(3)])
+    assert not tier.path_of(key_of(1)).exists()
+    assert read(tier, 1) is None
+    assert evictions("disk") == before + 1
+    assert tier.usage_bytes() <= 3 * object_bytes
+    files = list((tmp_path / "tier").rglob("*.safetensors"))
+    assert len(files) == 3
+    # An object bigger than the whole tier is refused, and evicts nothing.
+    big = payload(9, 4 * object_bytes)
+    assert not tier.put(key_of(9), memoryview(big), header_for(key_of(9), big))
+    assert len(tier) == 3
+
+
+def test_disk_restart_reindexes_by_mtime(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    data = {i: put(tier, i) for i in range(4)}
+    object_bytes = tier.usage_bytes() // 4
+    # Recency as a restart sees it: 2 oldest, then 0, 3, 1.
+    now = time.time()
+    for age, i in enumerate([1, 3, 0, 2]):
+        os.utime(tier.path_of(key_of(i)), (now - 100 * (age + 1), now - 100 * (age + 1)))
+    (tmp_path / "not-a-digest").mkdir()
+    (tmp_path / DIGEST / "zz").mkdir(exist_ok=True)
+    (tmp_path / DIGEST / "zz" / "junk.txt").write_text("x")
+
+    again = DiskTier(tmp_path, 1 << 30)
+    assert again.keys() == [key_of(2), key_of(0), key_of(3), key_of(1)]
+    assert again.usage_bytes() == 4 * object_bytes
+    assert all(read(again, i) == data[i] for i in range(4))
+
+    # A smaller capacity on restart evicts the oldest by mtime.
+    now = time.time()
+    for age, i in enumerate([1, 3, 0, 2]):
+        os.utime(tier.path_of(key_of(i)), (now - 100 * (age + 1), now - 100 * (age + 1)))
+    smaller = DiskTier(tmp_path, 2 * object_bytes)
+    assert sorted(smaller.keys()) == sorted([key_of(3), key_of(1)])
+    assert not tier.path_of(key_of(2)).exists() and not tier.path_of(key_of(0)).exists()
+
+    # touch() persists recency across a restart.
+    smaller.touch(key_of(3))
+    assert DiskTier(tmp_path, 1 << 30).keys() == [key_of(1), key_of(3)]
+
+
+_SLOW_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import tiercache.tiers.disk as disk
+    from tiercache.tiers.format import ObjectHeader, checksum
+
+    root, digest = sys.argv[1], sys.argv[2]
+
+    def put(tier, i, size):
+        data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+        key = f"{digest}/{i:064x}"
+        header = ObjectHeader(key, digest, size, checksum(data))
+        return tier.put(key, memoryview(data), header)
+
+    tier = disk.DiskTier(root, 1 << 30)
+    assert put(tier, 1, 65536)  # one whole object before the slow one
+
+    def slow_write_all(fd, data):
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view[:65536])
+            view = view[written:]
+            time.sleep(0.02)
+
+    disk._write_all = slow_write_all
+    print("writing", flush=True)
+    put(tier, 2, 64 << 20)  # about 20 s at this pace: killed long before
+    print("finished", flush=True)
+    """
+)
+
+
+def test_kill_9_mid_write_leaves_no_partial_object(tmp_path):
+    root = tmp_path / "disk"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITER, str(root), DIGEST],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert child.stdout.readline().strip() == "writing"
+        temp_files: list[Path] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            temp_files = list(root.rglob(f"{TMP_PREFIX}*"))
+            if temp_files and temp_files[0].stat().st_size > 256 * 1024:
+                break
+            time.sleep(0.02)
+        assert temp_files, "the child never started its slow write"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert temp_files[0].name.startswith(f"{TMP_PREFIX}{child.pid}-")
+    assert temp_files[0].exists()  # the dead writer's temp file is still there...
+
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    partial = probe.path_of(key_of(2)).relative_to(tmp_path / "probe")
+    assert not (root / partial).exists()  # ...but never under the object's name
+
+    tier = DiskTier(root, 1 << 30)
+    assert tier.keys() == [key_of(1)]  # the complete object survives
+    assert read(tier, 1) == payload(1)
+    assert read(tier, 2, 64 << 20) is None
+    assert not temp_files[0].exists()  # cleaned on start, since its writer is dead
+    assert not list(root.rglob(f"{TMP_PREFIX}*"))
+
+
+def test_temp_files_of_live_writers_are_kept(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    put(tier, 1)
+    folder = tier.path_of(key_of(1)).parent
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = folder / f"{TMP_PREFIX}{sleeper.pid}-1-{'0' * 64}.safetensors"
+        mine = folder / f"{TMP_PREFIX}{os.getpid()}-1-{'1' * 64}.safetensors"
+        junk = folder / f"{TMP_PREFIX}notapid-{'2' * 64}.safetensors"
+        for path in (live, mine, junk):
+            path.write_bytes(b"partial")
+        DiskTier(tmp_path, 1 << 30)
+        assert live.exists() and mine.exists()  # someone may still be writing these
+        assert not junk.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("damage", ["flip_data", "flip_header", "truncate", "noise"])
+def test_disk_corruption_is_caught(tmp_path, damage):
+    removed = []
+    tier = DiskTier(tmp_path, 1 << 30, on_remove=removed.append)
+    put(tier, 5)
+    path = tier.path_of(key_of(5))
+    raw = bytearray(path.read_bytes())
+    offset = header_for(key_of(5), payload(5)).data_offset
+    if damage == "flip_data":
+        raw[offset + 1000] ^= 0xFF
+    elif damage == "flip_header":
+        raw[20:24] = b"\xff\xfe\xfd\xfc"
+    elif damage == "truncate":
+        raw = raw[: offset + 1000]
+    else:
+        raw = bytearray(os.urandom(len(raw)))
+    path.write_bytes(bytes(raw))
+    before = errors("disk", "corrupt")
+    out = bytearray(BLOCK)
+    assert not tier.get_into(key_of(5), memoryview(out))
+    assert errors("disk", "corrupt") == before + 1
+    assert key_of(5) not in tier and not path.exists()
+    assert removed == [key_of(5)]
+    assert tier.usage_bytes() == 0
+
+
+def test_disk_object_under_the_wrong_name_is_refused(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    put(tier, 1)
+    put(tier, 2)
+    tier.path_of(key_of(2)).write_bytes(tier.path_of(key_of(1)).read_bytes())
+    before = errors("disk", "corrupt")
+    assert read(tier, 2) is None
+    assert errors("disk", "corrupt") == before + 1
+    assert read(tier, 1) == payload(1)
+    # A reader asking for the wrong size is refused too, not handed a short block.
+    assert read(tier, 1, BLOCK * 2) is None
+
+
+def test_object_opens_with_safetensors(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    data = put(tier, 6)
+    path = tier.path_of(key_of(6))
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+        assert meta["key"] == key_of(6)
+        assert meta["namespace_digest"] == DIGEST
+        assert meta["checksum_xxh3_64"] == checksum(data)
+        assert meta["layout"] == "LBHNC" and meta["dtype"] == "bfloat16"
+        assert list(f.keys()) == ["kv"]
+        tensor = f.get_tensor("kv")
+    assert tensor.dtype == np.uint8 and tensor.tobytes() == data
+    # The pages start on a 4 KiB boundary, for O_DIRECT and straight reads.
+    assert (path.stat().st_size - len(data)) % DATA_ALIGN == 0
+
+
+# -- S3 -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_tier(s3_endpoint, bucket):
+    tier = S3Tier(
+        S3TierConfig(bucket=bucket, prefix="t/", endpoint_url=s3_endpoint, region="us-east-1", max_attempts=1)
+    )
+    yield tier
+    tier.close()
+
+
+def test_s3_round_trip(s3_tier):
+    data = put(s3_tier, 1)
+    assert read(s3_tier, 1) == data
+    assert s3_tier.exists(key_of(1)) and not s3_tier.exists(key_of(2))
+    names = [item["Key"] for item in s3_tier.client.list_objects_v2(Bucket=s3_tier.bucket)["Contents"]]
+    assert names == [f"t/{key_of(1)}.safetensors"]
+    assert [key for key, _, _ in s3_tier.list_objects()] == [key_of(1)]
+    assert [key for key, _, _ in s3_tier.list_objects(DIGEST)] == [key_of(1)]
+    assert list(s3_tier.list_objects("f" * 16)) == []
+    assert s3_tier.ping()
+
+
+def test_s3_many_objects_in_parallel(s3_tier):
+    futures = {i: s3_tier.pool.submit(put, s3_tier, i, BLOCK + i) for i in range(16)}
+    expected = {i: future.result() for i, future in futures.items()}
+    reads = {i: s3_tier.pool.submit(read, s3_tier, i, BLOCK + i) for i in range(16)}
+    assert all(reads[i].result() == expected[i] for i in range(16))
+
+
+def test_s3_miss_is_not_an_error(s3_tier):
+    before = errors("s3", "client_error")
+    assert read(s3_tier, 42) is None
+    assert errors("s3", "client_error") == before
+
+
+@pytest.mark.parametrize("damage", ["noise", "flip_data", "truncate", "longer"])
+def test_s3_corruption_is_caught(s3_tier, damage):
+    put(s3_tier, 7)
+    name = s3_tier.object_name(key_of(7))
+    raw = bytearray(s3_tier.client.get_object(Bucket=s3_tier.bucket, Key=name)["Body"].read())
+    if damage == "noise":
+        raw = bytearray(os.urandom(len(raw)))  # same size, nothing right in it
+    elif damage == "flip_data":
+        raw[-10] ^= 0x01
+    elif damage == "truncate":
+        raw = raw[:-100]
+    else:
+        raw += b"extra"
+    s3_tier.client.put_object(Bucket=s3_tier.bucket, Key=name, Body=bytes(raw))
+    before = errors("s3", "corrupt")
+    assert read(s3_tier, 7) is None
+    assert errors("s3", "corrupt") == before + 1
+    assert not s3_tier.exists(key_of(7))  # removed, so no one reads it again
+
+
+def test_s3_unreachable_is_a_bounded_failure(bucket):
+    # Nothing listens on this port: every call fails fast with a counted error.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tier = S3Tier(
+        S3TierConfig(
+            bucket=bucket,
+            endpoint_url=f"http://127.0.0.1:{port}",
+            region="us-east-1",
+            connect_timeout=0.2,
+            read_timeout=0.2,
+            max_attempts=1,
+        )
+    )
+    try:
+        before = errors("s3", "unreachable")
+        data = payload(1)
+        assert not tier.put(key_of(1), memoryview(data), header_for(key_of(1), data))
+        assert read(tier, 1) is None
+        assert errors("s3", "unreachable") == before + 2
+        assert not tier.ping()
+    finally:
+        tier.close()
+
+
+def test_s3_object_opens_with_safetensors(s3_tier, tmp_path):
+    data = put(s3_tier, 8)
+    client = boto3.client("s3", endpoint_url=s3_tier.config.endpoint_url, region_name="us-east-1")
+    path = tmp_path / "object.safetensors"
+    client.download_file(s3_tier.bucket, s3_tier.object_name(key_of(8)), str(path))
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata()["key"] == key_of(8)
+        assert f.metadata()["namespace_digest"] == DIGEST
+        assert f.get_tensor("kv").tobytes() == data

@@ -1,0 +1,376 @@
+"""The S3 garbage collector and the namespace flush.
+
+Scope. The service's config describes one namespace's S3 tier (`namespace`, and
+`s3.bucket`, `s3.prefix`, `s3.capacity`), so:
+- the capacity pass evicts only from deployments registered under `config.namespace`;
+  other namespaces run their own service (or `tiercache gc`) with their own budget;
+- the orphan sweep covers every object under the bucket and prefix, whatever its
+  namespace, because whether an object is an orphan is decided by the index alone.
+
+Capacity. A deployment uses ZCARD x object_bytes per TP rank in S3. While the
+namespace is over `s3.capacity`, the entry with the oldest last access (over every
+rank of every deployment) goes first. For each victim the index entry is removed with
+`Leases.gc_unindex`, which refuses while a read lease is live (that victim is
+skipped), and only once the entry is gone is the object deleted. A reader either holds
+a lease on an object that stays, or gets a miss.
+
+Orphans. An object is an orphan when no index entry names it: an upload whose index
+write failed, a GC pass that died between its two steps, a flushed namespace. Objects
+younger than a grace period are kept, since an upload's PUT lands before its index
+entry is written.
+
+Known race, harmless: if a writer re-uploads a key between the GC's unindex and its
+delete, the fresh object goes with the delete while its new entry stays. The first
+reader then finds no object, and the engine drops the entry (a miss, never wrong
+bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from tiercache.config import TierCacheConfig
+from tiercache.index import REGISTRY, Deployment, RedisIndex, index_key
+from tiercache.keys import object_key
+from tiercache.leases import Leases
+from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.s3 import S3Tier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ORPHAN_GRACE = 600.0
+# Entries looked at per index and round of the capacity pass.
+_EVICT_BATCH = 5000
+_MAX_ROUNDS = 1000
+# Objects checked against the index per Redis call, and deleted per S3 call.
+_SWEEP_BATCH = 1000
+
+
+class GcBusy(Exception):
+    """A GC pass is already running."""
+
+
+def registered_deployments(redis: GuardedRedis) -> list[Deployment]:
+    """Every deployment in the registry; an unreadable entry is skipped with a warning
+    rather than failing the caller."""
+    raw = redis.call("registry", lambda: redis.client.hgetall(REGISTRY))
+    deployments = []
+    for digest, value in raw.items():
+        try:
+            deployments.append(Deployment.from_json(value))
+        except (ValueError, TypeError, KeyError):
+            log.warning("registry entry %r is not a deployment; skipped", digest)
+    return deployments
+
+
+def gc_redis_client(config: TierCacheConfig) -> GuardedRedis:
+    # GC and flush move more than a scheduler lookup: allow Redis longer to answer.
+    settings = config.redis.model_copy(
+        update={"socket_timeout": max(config.redis.socket_timeout, 10.0), "retry_backoff": 0.0}
+    )
+    return GuardedRedis(config.redis_url, settings)
+
+
+class _Resources(contextlib.ExitStack):
+    """The Redis and S3 clients of one pass: the caller's, or our own (closed after)."""
+
+    def __init__(self, config: TierCacheConfig, redis: GuardedRedis | None, s3: S3Tier | None):
+        super().__init__()
+        self.redis = redis
+        self.s3 = s3
+        if self.redis is None and config.redis_url:
+            self.redis = gc_redis_client(config)
+            self.callback(self.redis.close)
+        if self.s3 is None and config.s3 is not None:
+            self.s3 = S3Tier(config.s3)
+            self.callback(self.s3.close)
+
+
+def run_gc(
+    config: TierCacheConfig,
+    sweep_orphans: bool = True,
+    now: float | None = None,
+    *,
+    grace_seconds: float = DEFAULT_ORPHAN_GRACE,
+    redis: GuardedRedis | None = None,
+    s3: S3Tier | None = None,
+) -> dict[str, Any]:
+    """One GC pass: keep `config.namespace` under `s3.capacity` (when set), then sweep
+    orphans older than `grace_seconds` (measured against `now`, epoch seconds, default
+    the current time). Returns a report; Redis or S3 failures are listed in its
+    "errors" and end the pass early, without raising."""
+    started = time.monotonic()
+    now = time.time() if now is None else now
+    report: dict[str, Any] = {
+        "namespace": config.namespace,
+        "capacity_bytes": config.s3.capacity if config.s3 else None,
+        "used_bytes_before": None,
+        "used_bytes_after": None,
+        "evicted_objects": 0,
+        "evicted_bytes": 0,
+        "skipped_leased": 0,
+        "delete_failed": 0,
+        "orphans": {"scanned": 0, "too_young": 0, "deleted": 0, "delete_failed": 0},
+        "errors": [],
+    }
+    if config.s3 is None or config.redis_url is None:
+        report["errors"].append("s3 is not configured: there is nothing to collect")
+        return report
+    with _Resources(config, redis, s3) as res:
+        try:
+            deployments = registered_deployments(res.redis)
+            mine = [d for d in deployments if d.namespace == config.namespace]
+            _keep_under_capacity(res.redis, res.s3, config, mine, report)
+            if sweep_orphans:
+                _sweep_orphans(res.redis, res.s3, deployments, now - grace_seconds, report)
+        except RedisUnavailable as error:
+            report["errors"].append(f"redis unavailable: {type(error.__cause__ or error).__name__}")
+        except Exception as error:  # an S3 listing failure, mostly: report, don't crash the loop
+            if not _is_s3_error(error):
+                raise
+            report["errors"].append(f"s3 unavailable: {type(error).__name__}")
+    report["duration_seconds"] = round(time.monotonic() - started, 3)
+    return report
+
+
+def _is_s3_error(error: Exception) -> bool:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return isinstance(error, (BotoCoreError, ClientError))
+
+
+def _used_bytes(index: RedisIndex, deployments: list[Deployment]) -> int:
+    return sum(
+        index.count(dep.model_digest, rank) * dep.object_bytes
+        for dep in deployments
+        for rank in dep.rank_digests
+    )
+
+
+def _keep_under_capacity(
+    redis: GuardedRedis,
+    s3: S3Tier,
+    config: TierCacheConfig,
+    deployments: list[Deployment],
+    report: dict[str, Any],
+) -> None:
+    index = RedisIndex(redis)
+    leases = Leases(redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl)
+    used = _used_bytes(index, deployments)
+    report["used_bytes_before"] = report["used_bytes_after"] = used
+    capacity = config.s3.capacity
+    if capacity is None:
+        return
+    leased: set[tuple[str, str, bytes]] = set()
+    leased_per_index: dict[tuple[str, str], int] = defaultdict(int)
+    for _ in range(_MAX_ROUNDS):
+        if used <= capacity:
+            break
+        # The oldest entries overall are among each index's oldest `need` entries
+        # (plus those a lease holds back, which stay at the front).
+        candidates: list[tuple[float, str, str, bytes, int]] = []
+        for dep in deployments:
+            need = math.ceil((used - capacity) / dep.object_bytes)
+            for rank in dep.rank_digests:
+                held = leased_per_index[(dep.model_digest, rank)]
+                n = min(need + held, _EVICT_BATCH + held)
+                for member, score in index.oldest(dep.model_digest, rank, n):
+                    if (dep.model_digest, rank, member) not in leased:
+                        candidates.append((score, dep.model_digest, rank, member, dep.object_bytes))
+        if not candidates:
+            break
+        candidates.sort()
+        progress = False
+        for _score, model, rank, member, size in candidates:
+            if used <= capacity:
+                break
+            outcome = leases.gc_unindex(model, rank, member)
+            if outcome == 0:  # a live read lease: this one stays
+                leased.add((model, rank, member))
+                leased_per_index[(model, rank)] += 1
+                report["skipped_leased"] += 1
+                continue
+            progress = True
+            used -= size
+            if outcome == 1:
+                # The entry is gone, so no new reader can lease it: now the object.
+                report["evicted_objects"] += 1
+                report["evicted_bytes"] += size
+                if not s3.delete(object_key(rank, member.hex())):
+                    report["delete_failed"] += 1  # left for the orphan sweep
+            # outcome -1: someone else removed the entry (a corrupt object); it no longer counts.
+        if not progress:
+            break
+        used = _used_bytes(index, deployments)  # writers go on while we work
+    report["used_bytes_after"] = used
+
+
+def _find_model(redis: GuardedRedis, rank: str) -> str | None:
+    """The deployment digest of an index named for `rank`, for a rank the registry
+    does not list (its deployment never registered, or was flushed). None: no index."""
+    pattern = index_key("*", rank)
+
+    def scan() -> str | None:
+        for raw in redis.client.scan_iter(match=pattern, count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            return name[name.index("{") + 1 : name.index("}")]
+        return None
+
+    return redis.call("scan", scan)
+
+
+def _sweep_orphans(
+    redis: GuardedRedis,
+    s3: S3Tier,
+    deployments: list[Deployment],
+    cutoff: float,
+    report: dict[str, Any],
+) -> None:
+    orphans = report["orphans"]
+    model_of: dict[str, str | None] = {
+        rank: dep.model_digest for dep in deployments for rank in dep.rank_digests
+    }
+    batch: list[str] = []
+
+    def check(keys: list[str]) -> None:
+        by_rank: dict[str, list[str]] = defaultdict(list)
+        for key in keys:
+            rank, block = key.split("/")
+            by_rank[rank].append(block)
+        doomed: list[str] = []
+        for rank, blocks in by_rank.items():
+            if rank not in model_of:
+                model_of[rank] = _find_model(redis, rank)
+            model = model_of[rank]
+            if model is None:
+                doomed.extend(object_key(rank, block) for block in blocks)
+                continue
+            zkey = index_key(model, rank)
+            members = [bytes.fromhex(block) for block in blocks]
+            scores = redis.call("orphan_check", lambda k=zkey, m=members: redis.client.zmscore(k, m))
+            missing = [block for block, score in zip(blocks, scores, strict=True) if score is None]
+            doomed.extend(object_key(rank, block) for block in missing)
+        deleted, failed = delete_objects(s3, doomed)
+        orphans["deleted"] += deleted
+        orphans["delete_failed"] += failed
+
+    for key, _size, modified in s3.list_objects():
+        orphans["scanned"] += 1
+        if modified.timestamp() > cutoff:
+            orphans["too_young"] += 1
+            continue
+        batch.append(key)
+        if len(batch) >= _SWEEP_BATCH:
+            check(batch)
+            batch = []
+    if batch:
+        check(batch)
+
+
+def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
+    """Delete objects in batches of up to 1000 per request: (deleted, failed)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    keys = list(keys)
+    deleted = failed = 0
+    for start in range(0, len(keys), _SWEEP_BATCH):
+        chunk = keys[start : start + _SWEEP_BATCH]
+        request = {"Objects": [{"Key": s3.object_name(key)} for key in chunk], "Quiet": True}
+        try:
+            response = s3.client.delete_objects(Bucket=s3.bucket, Delete=request)
+        except (BotoCoreError, ClientError) as error:
+            log.warning("s3 batch delete of %d objects failed: %s", len(chunk), type(error).__name__)
+            failed += len(chunk)
+            continue
+        errors = len(response.get("Errors", ()))
+        failed += errors
+        deleted += len(chunk) - errors
+    return deleted, failed
+
+
+def _leased_blocks(redis: GuardedRedis, model_digest: str) -> set[tuple[str, str]]:
+    """(rank digest, block hex) of every read lease key of a deployment now present."""
+    prefix = f"tc:{{{model_digest}}}:rl:"
+
+    def scan() -> set[tuple[str, str]]:
+        found = set()
+        for raw in redis.client.scan_iter(match=prefix + "*", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            rank, _, block = name[len(prefix) :].partition(":")
+            found.add((rank, block))
+        return found
+
+    return redis.call("scan", scan)
+
+
+def flush_namespace(
+    config: TierCacheConfig,
+    namespace: str,
+    *,
+    redis: GuardedRedis | None = None,
+    s3: S3Tier | None = None,
+) -> dict[str, Any]:
+    """Forget every deployment registered under `namespace`: drop its index entries
+    and registry entry first (so no reader finds them), then delete its S3 objects
+    (except those under a live read lease, left to the orphan sweep) and, when
+    `disk.path` is set, its objects on this node's disk tier.
+
+    Other nodes' disk tiers are theirs to evict. A deployment still running keeps
+    working: it re-indexes what it uploads next, and re-registers on restart.
+    Raises ValueError without Redis, RedisUnavailable when Redis does not answer."""
+    if config.redis_url is None and redis is None:
+        raise ValueError("redis_url is not configured: there is no registry of namespaces")
+    report: dict[str, Any] = {
+        "namespace": namespace,
+        "deployments": [],
+        "index_entries_removed": 0,
+        "s3_objects_deleted": 0,
+        "s3_delete_failed": 0,
+        "s3_skipped_leased": 0,
+        "disk_objects_deleted": 0,
+        "errors": [],
+    }
+    with _Resources(config, redis, s3) as res:
+        index = RedisIndex(res.redis)
+        for dep in registered_deployments(res.redis):
+            if dep.namespace != namespace:
+                continue
+            leased = _leased_blocks(res.redis, dep.model_digest)
+            report["index_entries_removed"] += index.drop_deployment(dep)
+            report["deployments"].append({"model_digest": dep.model_digest, "model": dep.model})
+            if res.s3 is not None:
+                for rank in dep.rank_digests:
+                    try:
+                        keys = []
+                        for key, _size, _modified in res.s3.list_objects(rank):
+                            if (rank, key.split("/")[1]) in leased:
+                                report["s3_skipped_leased"] += 1
+                            else:
+                                keys.append(key)
+                    except Exception as error:
+                        if not _is_s3_error(error):
+                            raise
+                        report["errors"].append(f"s3 listing failed: {type(error).__name__}")
+                        continue
+                    deleted, failed = delete_objects(res.s3, keys)
+                    report["s3_objects_deleted"] += deleted
+                    report["s3_delete_failed"] += failed
+            if config.disk is not None:
+                for rank in dep.rank_digests:
+                    report["disk_objects_deleted"] += _remove_disk_dir(config.disk.path / rank)
+    return report
+
+
+def _remove_disk_dir(path) -> int:
+    if not path.is_dir():
+        return 0
+    count = sum(1 for p in path.glob("*/*.safetensors"))
+    shutil.rmtree(path, ignore_errors=True)
+    return count

@@ -1,0 +1,215 @@
+"""`tiercache inspect`: what a stored object is, and where a key lives.
+
+A file: its safetensors header (opened with `safetensors`, nothing unpickled) and the
+tiercache metadata, with the payload checked against the header's checksum.
+Exit 0 when intact, 1 when corrupt, truncated or not a tiercache object.
+
+A key ('<16 hex rank digest>/<block hash hex>'), with a config: whether this node's
+disk tier holds it (and intact), whether the Redis index names it (and when it was
+last used), and whether its S3 object exists. Exit 0 when some tier holds it, 1 when
+none does, 2 for a bad argument, 3 when a tier could not be asked."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tiercache.config import TierCacheConfig
+from tiercache.keys import HEX_KEY, split_key
+from tiercache.tiers.format import (
+    TENSOR_NAME,
+    CorruptObject,
+    ObjectHeader,
+    decode_header,
+    header_length,
+)
+
+EXIT_OK = 0
+EXIT_CORRUPT = 1
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+_READ_CHUNK = 8 * 2**20
+
+
+def inspect_target(target: str, config: TierCacheConfig | None, console: Console) -> int:
+    path = Path(target)
+    if path.is_file():
+        return inspect_file(path, console)
+    if HEX_KEY.match(target):
+        if config is None:
+            console.print(
+                f"[red]{target} is an object key: pass --config (or TIERCACHE_CONFIG) so "
+                "inspect knows where the tiers are[/red]"
+            )
+            return EXIT_USAGE
+        return inspect_key(target, config, console)
+    if path.exists():
+        console.print(f"[red]{target} is not a file[/red]")
+    else:
+        console.print(
+            f"[red]{target!r} is neither an existing file nor an object key "
+            "('<16 hex digits>/<block hash in hex>')[/red]"
+        )
+    return EXIT_USAGE
+
+
+def read_object_header(path: Path) -> tuple[ObjectHeader, int]:
+    """The tiercache header of an object file and the offset of its payload."""
+    with open(path, "rb") as f:
+        length = header_length(f.read(8))
+        raw = f.read(length)
+    if len(raw) != length:
+        raise CorruptObject(f"header truncated: {len(raw)} of {length} bytes")
+    return decode_header(raw), 8 + length
+
+
+def verify_file(path: Path, header: ObjectHeader, offset: int) -> str:
+    """Checksum the payload; raises CorruptObject when it is short, long or altered."""
+    size = path.stat().st_size
+    if size != offset + header.nbytes:
+        raise CorruptObject(f"file holds {size - offset} payload bytes, its header says {header.nbytes}")
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    actual = digest.hexdigest()
+    if actual != header.checksum:
+        raise CorruptObject(f"checksum mismatch: payload {actual}, header {header.checksum}")
+    return actual
+
+
+def inspect_file(path: Path, console: Console) -> int:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as error:
+        console.print(f"[red]{path}: not a readable safetensors file: {error}[/red]")
+        return EXIT_CORRUPT
+    try:
+        header, offset = read_object_header(path)
+    except (CorruptObject, OSError) as error:
+        console.print(f"[red]{path}: not a tiercache object: {error}[/red]")
+        return EXIT_CORRUPT
+
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("key", header.key)
+    table.add_row("namespace digest", header.namespace_digest)
+    table.add_row("format version", metadata.get("format_version", "?"))
+    table.add_row("payload bytes", str(header.nbytes))
+    table.add_row("payload offset", str(offset))
+    table.add_row("layout", header.layout or "-")
+    table.add_row("dtype", header.dtype or "-")
+    table.add_row("shapes", header.shapes or "-")
+    table.add_row("tensors", ", ".join(f"{name} {shape}" for name, shape in tensors.items()))
+    table.add_row("checksum (xxh3-64)", header.checksum)
+    console.print(table)
+    if TENSOR_NAME not in tensors:
+        console.print(f"[red]corrupt: no {TENSOR_NAME!r} tensor[/red]")
+        return EXIT_CORRUPT
+    try:
+        verify_file(path, header, offset)
+    except CorruptObject as error:
+        console.print(f"[red]corrupt: {error}[/red]")
+        return EXIT_CORRUPT
+    console.print("[green]checksum ok[/green]")
+    return EXIT_OK
+
+
+def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
+    from tiercache.service import disk_object_path
+
+    path = disk_object_path(config.disk.path, key)
+    if not path.is_file():
+        return f"absent ({path})", False
+    try:
+        header, offset = read_object_header(path)
+        if header.key != key:
+            raise CorruptObject(f"holds key {header.key}")
+        verify_file(path, header, offset)
+    except (CorruptObject, OSError) as error:
+        return f"[red]present but corrupt: {error}[/red] ({path})", False
+    return f"[green]present[/green], {os.path.getsize(path)} bytes, checksum ok ({path})", True
+
+
+def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
+    from tiercache.gc import registered_deployments
+    from tiercache.index import index_key
+    from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+
+    rank, block = split_key(key)
+    table = Table(title=key, show_header=False)
+    table.add_column("tier", style="bold")
+    table.add_column("state")
+    found = False
+    unavailable = False
+
+    if config.disk is not None:
+        state, held = _disk_report(config, key)
+        table.add_row("disk (this node)", state)
+        found |= held
+    else:
+        table.add_row("disk (this node)", "not configured")
+
+    if config.redis_url is not None:
+        redis = GuardedRedis(config.redis_url, config.redis)
+        try:
+            owners = [d for d in registered_deployments(redis) if rank in d.rank_digests]
+            if not owners:
+                table.add_row("s3 index", "no registered deployment has this rank digest")
+            for dep in owners:
+                zkey = index_key(dep.model_digest, rank)
+                score = redis.call("zscore", lambda z=zkey: redis.client.zscore(z, bytes.fromhex(block)))
+                if score is None:
+                    table.add_row("s3 index", f"absent (deployment {dep.model_digest}, {dep.model})")
+                else:
+                    when = datetime.fromtimestamp(score, timezone.utc).isoformat(timespec="seconds")
+                    table.add_row(
+                        "s3 index",
+                        f"[green]present[/green] (deployment {dep.model_digest}, {dep.model}; "
+                        f"namespace {dep.namespace}; last access {when})",
+                    )
+        except RedisUnavailable:
+            table.add_row("s3 index", "[red]redis unavailable[/red]")
+            unavailable = True
+        finally:
+            redis.close()
+    else:
+        table.add_row("s3 index", "not configured")
+
+    if config.s3 is not None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from tiercache.tiers.s3 import S3Tier
+
+        s3 = S3Tier(config.s3)
+        try:
+            if s3.exists(key):
+                table.add_row("s3 object", f"[green]present[/green] (s3://{s3.bucket}/{s3.object_name(key)})")
+                found = True
+            else:
+                table.add_row("s3 object", f"absent (s3://{s3.bucket}/{s3.object_name(key)})")
+        except (BotoCoreError, ClientError) as error:
+            table.add_row("s3 object", f"[red]could not ask: {type(error).__name__}[/red]")
+            unavailable = True
+        finally:
+            s3.close()
+    else:
+        table.add_row("s3 object", "not configured")
+
+    console.print(table)
+    if found:
+        return EXIT_OK
+    return EXIT_UNAVAILABLE if unavailable else EXIT_NOT_FOUND
