@@ -223,6 +223,49 @@ def test_disk_o_direct_round_trip(tmp_path):
     assert read(tier, 4, BLOCK - 100) == odd
 
 
+def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
+    import errno
+
+    import tiercache.tiers.disk as disk_module
+
+    def no_space(fd, *parts):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    buffer = CpuBuffer(1, BLOCK, pin_memory=False)
+    buffer.view(0)[:] = payload(3)
+    tier = DiskTier(tmp_path, 1 << 30, o_direct=True)
+    monkeypatch.setattr(disk_module, "_write_all", no_space)
+    before = errors("disk", "disk_full")
+    assert not tier.put(key_of(3), buffer.view(0), header_for(key_of(3), payload(3)))
+    assert errors("disk", "disk_full") == before + 1
+    assert len(tier) == 0 and not list(tmp_path.rglob(f"{TMP_PREFIX}*"))
+
+
+def test_disk_reads_objects_written_by_other_safetensors_writers(tmp_path):
+    """Objects whose pages do not start at 4 KiB (another writer, an older version)
+    are still read, through the slower path."""
+    from safetensors.numpy import save_file
+
+    tier = DiskTier(tmp_path, 1 << 30)
+    data = payload(11)
+    path = tier.path_of(key_of(11))
+    path.parent.mkdir(parents=True)
+    meta = {
+        "format": "tiercache",
+        "key": key_of(11),
+        "namespace_digest": DIGEST,
+        "checksum_xxh3_64": checksum(data),
+    }
+    save_file({"kv": np.frombuffer(data, dtype=np.uint8)}, str(path), metadata=meta)
+    assert (path.stat().st_size - len(data)) % DATA_ALIGN != 0
+    restarted = DiskTier(tmp_path, 1 << 30)
+    assert read(restarted, 11) == data
+    # A big header (over 4 KiB) is read whole too.
+    meta["layout"] = "x" * 10_000
+    save_file({"kv": np.frombuffer(data, dtype=np.uint8)}, str(path), metadata=meta)
+    assert read(restarted, 11) == data
+
+
 def test_disk_capacity_evicts_least_recently_used(tmp_path):
     probe = DiskTier(tmp_path / "probe", 1 << 30)
     put(probe, 0)
@@ -294,12 +337,13 @@ _SLOW_WRITER = textwrap.dedent(
     tier = disk.DiskTier(root, 1 << 30)
     assert put(tier, 1, 65536)  # one whole object before the slow one
 
-    def slow_write_all(fd, data):
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view[:65536])
-            view = view[written:]
-            time.sleep(0.02)
+    def slow_write_all(fd, *parts):
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                written = os.write(fd, view[:65536])
+                view = view[written:]
+                time.sleep(0.02)
 
     disk._write_all = slow_write_all
     print("writing", flush=True)

@@ -182,17 +182,26 @@ class TierEngine:
 
     def _upload(self, block_hash: bytes, view: memoryview, header: ObjectHeader) -> bool:
         """Exactly one of many concurrent writers of a key uploads; the object is
-        indexed only after its PUT succeeded."""
+        indexed only after its PUT succeeded. The others wait for that (no longer
+        than the write lease lives) and take over if the holder gives up or dies, so
+        each writer's answer says whether the object really is in S3."""
         model, rank = self.shape.model_digest, self.shape.rank_digest
         token = new_token()
-        try:
-            claim = self.leases.claim_write(model, rank, block_hash, token)
-        except RedisUnavailable:
-            return False
-        if claim is Claim.PRESENT:
-            return True
-        if claim is Claim.HELD:
-            return False
+        deadline = time.monotonic() + self.config.redis.write_lease_ttl
+        pause = 0.002
+        while True:
+            try:
+                claim = self.leases.claim_write(model, rank, block_hash, token)
+            except RedisUnavailable:
+                return False
+            if claim is Claim.PRESENT:
+                return True
+            if claim is Claim.ACQUIRED:
+                break
+            if self._closed or time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
         uploaded = self.s3.put(header.key, view, header)
         try:
             if uploaded:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import shutil
 import time
 from collections import defaultdict
@@ -38,7 +39,7 @@ from typing import Any
 
 from tiercache.config import TierCacheConfig
 from tiercache.index import REGISTRY, Deployment, RedisIndex, index_key
-from tiercache.keys import object_key
+from tiercache.keys import object_key, split_key
 from tiercache.leases import Leases
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.s3 import S3Tier
@@ -51,6 +52,7 @@ _EVICT_BATCH = 5000
 _MAX_ROUNDS = 1000
 # Objects checked against the index per Redis call, and deleted per S3 call.
 _SWEEP_BATCH = 1000
+_DIGEST = re.compile(r"^[0-9a-f]{16}$")
 
 
 class GcBusy(Exception):
@@ -64,9 +66,16 @@ def registered_deployments(redis: GuardedRedis) -> list[Deployment]:
     deployments = []
     for digest, value in raw.items():
         try:
-            deployments.append(Deployment.from_json(value))
-        except (ValueError, TypeError, KeyError):
+            deployment = Deployment.from_json(value)
+            # Digests name files and S3 keys: accept nothing but what keys.py makes.
+            if not all(_DIGEST.match(d) for d in (deployment.model_digest, *deployment.rank_digests)):
+                raise ValueError("digests are not 16 hex digits")
+            if deployment.object_bytes <= 0:
+                raise ValueError("object_bytes is not positive")
+        except (ValueError, TypeError, KeyError, AttributeError):
             log.warning("registry entry %r is not a deployment; skipped", digest)
+            continue
+        deployments.append(deployment)
     return deployments
 
 
@@ -184,10 +193,9 @@ def _keep_under_capacity(
                 for member, score in index.oldest(dep.model_digest, rank, n):
                     if (dep.model_digest, rank, member) not in leased:
                         candidates.append((score, dep.model_digest, rank, member, dep.object_bytes))
-        if not candidates:
+        if not candidates:  # every entry left is leased
             break
         candidates.sort()
-        progress = False
         for _score, model, rank, member, size in candidates:
             if used <= capacity:
                 break
@@ -197,17 +205,19 @@ def _keep_under_capacity(
                 leased_per_index[(model, rank)] += 1
                 report["skipped_leased"] += 1
                 continue
-            progress = True
             used -= size
             if outcome == 1:
                 # The entry is gone, so no new reader can lease it: now the object.
                 report["evicted_objects"] += 1
                 report["evicted_bytes"] += size
-                if not s3.delete(object_key(rank, member.hex())):
+                try:
+                    key = object_key(rank, member.hex())
+                    split_key(key)
+                except ValueError:  # not a block hash: there is no object to delete
+                    continue
+                if not s3.delete(key):
                     report["delete_failed"] += 1  # left for the orphan sweep
             # outcome -1: someone else removed the entry (a corrupt object); it no longer counts.
-        if not progress:
-            break
         used = _used_bytes(index, deployments)  # writers go on while we work
     report["used_bytes_after"] = used
 

@@ -4,7 +4,6 @@ each vLLM worker expose their own."""
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -28,16 +27,42 @@ LOOKUP_HITS = Counter("tiercache_lookup_hits", "Blocks found in prefix lookups",
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
 
 
-@contextmanager
-def timed(tier: str, op: str, nbytes: int = 0):
-    """Count one operation, its bytes and latency; an exception counts as an error."""
-    start = time.perf_counter()
-    try:
-        yield
-    except BaseException:
-        TIER_OPS.labels(tier, op, "error").inc()
-        raise
-    TIER_LATENCY.labels(tier, op).observe(time.perf_counter() - start)
-    TIER_OPS.labels(tier, op, "ok").inc()
-    if nbytes:
-        TIER_BYTES.labels(tier, op).inc(nbytes)
+class timed:
+    """Count one operation, its bytes and latency; an exception counts as an error.
+
+    `with timed("disk", "get", nbytes):` runs on every tier operation, so the labelled
+    children are looked up once per (tier, op) and kept, and this is a plain class
+    rather than a generator-based context manager."""
+
+    __slots__ = ("_children", "_nbytes", "_start")
+    _cache: dict[tuple[str, str], tuple] = {}
+
+    def __init__(self, tier: str, op: str, nbytes: int = 0):
+        children = self._cache.get((tier, op))
+        if children is None:
+            children = self._cache.setdefault(
+                (tier, op),
+                (
+                    TIER_LATENCY.labels(tier, op),
+                    TIER_OPS.labels(tier, op, "ok"),
+                    TIER_OPS.labels(tier, op, "error"),
+                    TIER_BYTES.labels(tier, op),
+                ),
+            )
+        self._children = children
+        self._nbytes = nbytes
+
+    def __enter__(self) -> timed:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        latency, ok, error, moved = self._children
+        if exc_type is not None:
+            error.inc()
+            return False
+        latency.observe(time.perf_counter() - self._start)
+        ok.inc()
+        if self._nbytes:
+            moved.inc(self._nbytes)
+        return False

@@ -66,6 +66,8 @@ UNREGISTERED = "(unregistered)"
 DISK_SCAN_TTL = 15.0
 # Readiness: the S3 probe never waits longer than this for an answer, nor retries.
 PROBE_READ_TIMEOUT = 5.0
+# After a Redis failure, the service's lookups wait at most this long before trying again.
+SERVICE_MAX_BACKOFF = 2.0
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
 _HEX = re.compile(r"^[0-9a-f]*$")
@@ -346,7 +348,14 @@ class ServiceState:
         self.config = config
         self.admin_token = admin_token or None
         self.gc_interval = gc_interval
-        self.redis = _redis_for(config)
+        self.redis = None
+        if config.redis_url:
+            # Routers get a fast 503 while Redis is out, and answers again soon after it
+            # returns: the breaker's backoff is capped lower than a scheduler's.
+            settings = config.redis.model_copy(
+                update={"max_backoff": min(config.redis.max_backoff, SERVICE_MAX_BACKOFF)}
+            )
+            self.redis = GuardedRedis(config.redis_url, settings)
         self.index = RedisIndex(self.redis) if self.redis else None
         # GC and flush get their own connection with longer timeouts than lookups.
         self.gc_redis = gc_redis_client(config) if config.redis_url else None
@@ -888,6 +897,8 @@ def serve(
     import uvicorn
 
     level = os.environ.get("TIERCACHE_LOG_LEVEL", "INFO").upper()
+    if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"):
+        level = "INFO"
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(ADMIN_TOKEN_ENV) or None
     if token is None:

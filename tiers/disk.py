@@ -64,13 +64,18 @@ class DiskTier:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
         self._usage = 0
         self.root.mkdir(parents=True, exist_ok=True)
+        self._root = str(self.root)
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
 
     # -- naming -------------------------------------------------------------
     def path_of(self, key: str) -> Path:
+        return Path(self._path(key))
+
+    def _path(self, key: str) -> str:
+        # A plain string on the hot path: pathlib costs more than the syscalls here.
         digest, block = split_key(key)  # hex only: a key cannot name a path outside root
-        return self.root / digest / block[:2] / (block + SUFFIX)
+        return f"{self._root}/{digest}/{block[:2]}/{block}{SUFFIX}"
 
     # -- index --------------------------------------------------------------
     def _reindex(self) -> None:
@@ -130,7 +135,7 @@ class DiskTier:
     def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
         """Write one object. False when it cannot be stored (full disk, no
         permission): a store is dropped, never an error for the caller."""
-        path = self.path_of(key)
+        path = self._path(key)
         preamble = header.encode()
         size = len(preamble) + len(data)
         if size > self.capacity:
@@ -140,18 +145,22 @@ class DiskTier:
                 self._sizes.move_to_end(key)
                 return True
         self._evict_to(self.capacity - size)
-        tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}")
+        folder, name = os.path.split(path)
+        tmp = f"{folder}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{name}"
         try:
             with timed(TIER, "put", len(data)):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._write(tmp, preamble, data)
+                try:
+                    self._write(tmp, preamble, data)
+                except FileNotFoundError:  # the object's folder does not exist yet
+                    os.makedirs(folder, exist_ok=True)
+                    self._write(tmp, preamble, data)
                 os.replace(tmp, path)
         except OSError as error:
             kind = "disk_full" if error.errno == errno.ENOSPC else "io"
             TIER_ERRORS.labels(TIER, kind).inc()
             log.warning("disk tier: dropped store of %s: %s", key, error)
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(tmp)
             return False
         with self._lock:
             self._sizes[key] = size
@@ -159,7 +168,7 @@ class DiskTier:
             TIER_USAGE.labels(TIER).set(self._usage)
         return True
 
-    def _write(self, tmp: Path, preamble: bytes, data: memoryview) -> None:
+    def _write(self, tmp: str, preamble: bytes, data: memoryview) -> None:
         direct = self.o_direct and _aligned(data)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, 0o644)
@@ -167,12 +176,13 @@ class DiskTier:
             if direct:
                 # O_DIRECT needs aligned memory: copy the small preamble into an
                 # anonymous (page-aligned) map; the pages go straight from the slot.
-                with mmap.mmap(-1, len(preamble)) as aligned:
-                    aligned.write(preamble)
-                    _write_all(fd, memoryview(aligned))
+                # The map is freed with its last reference: closing it explicitly
+                # would fail while a failed write's traceback still holds a view.
+                aligned = mmap.mmap(-1, len(preamble))
+                aligned.write(preamble)
+                _write_all(fd, aligned, data)
             else:
-                _write_all(fd, preamble)
-            _write_all(fd, data)
+                _write_all(fd, preamble, data)
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -181,16 +191,24 @@ class DiskTier:
     def get_into(self, key: str, out: memoryview) -> bool:
         """Read one object's pages straight into `out` and verify them. A missing
         object is False; a corrupt one is removed, counted, and False."""
-        path = self.path_of(key)
+        path = self._path(key)
         try:
             with timed(TIER, "get", len(out)):
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    prefix = os.pread(fd, 8, 0)
-                    length = header_length(prefix)
-                    header = decode_header(os.pread(fd, length, 8))
+                    # One read for the layout this tier writes: a DATA_ALIGN preamble,
+                    # then the pages, straight into `out`. Anything else is re-read.
+                    head = bytearray(DATA_ALIGN)
+                    got = os.preadv(fd, [head, out], 0)
+                    length = header_length(bytes(head[: min(got, 8)]))
+                    offset = 8 + length
+                    if offset <= min(got, DATA_ALIGN):
+                        header = decode_header(bytes(head[8:offset]))
+                    else:
+                        header = decode_header(os.pread(fd, length, 8))
                     check_header(header, key, len(out))
-                    self._read_into(fd, out, 8 + length)
+                    if offset != DATA_ALIGN or got < DATA_ALIGN + len(out):
+                        self._read_into(fd, out, offset)
                 finally:
                     os.close(fd)
                 verify(header, out)
@@ -229,7 +247,7 @@ class DiskTier:
 
     def delete(self, key: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
-            self.path_of(key).unlink()
+            os.unlink(self._path(key))
         return self._forget(key)
 
     def _forget(self, key: str) -> bool:
@@ -250,7 +268,7 @@ class DiskTier:
                     return
                 victim = next(iter(self._sizes))
             with contextlib.suppress(OSError):
-                self.path_of(victim).unlink()
+                os.unlink(self._path(victim))
             if self._forget(victim):
                 TIER_EVICTIONS.labels(TIER).inc()
 
@@ -273,8 +291,15 @@ def _aligned(data: memoryview) -> bool:
     return address % DATA_ALIGN == 0
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+    """Write `parts` in order with as few system calls as the kernel allows."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        written = os.writev(fd, views)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]

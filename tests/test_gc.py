@@ -1,0 +1,344 @@
+"""The S3 garbage collector and the namespace flush, against a real redis-server and
+moto's S3 server, with objects written by the tier engine."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+
+import pytest
+from tiercache.tiers.s3 import S3Tier, make_client
+
+from tiercache.config import build_config
+from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.gc import flush_namespace, run_gc
+from tiercache.index import Deployment, RedisIndex, index_key
+from tiercache.leases import Leases, new_token
+from tiercache.redis_conn import GuardedRedis
+
+SLOT = 4096
+OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
+
+
+def make_config(redis_url, s3_endpoint, bucket, *, namespace="ns1", capacity=None, disk=None, prefix=""):
+    data = {
+        "namespace": namespace,
+        "redis_url": redis_url,
+        "cpu": {"capacity": 64 * SLOT},
+        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1", "prefix": prefix},
+    }
+    if capacity is not None:
+        data["s3"]["capacity"] = capacity
+    if disk is not None:
+        data["disk"] = {"path": str(disk)}
+    return build_config(data, environ={})
+
+
+@functools.lru_cache
+def _client(s3_config):
+    return make_client(s3_config)  # boto3 clients are slow to make: one per endpoint
+
+
+def s3_tier(config) -> S3Tier:
+    return S3Tier(config.s3, client=_client(config.s3))
+
+
+def digest() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def blocks(n: int) -> list[bytes]:
+    return [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in range(n)]
+
+
+def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama") -> Deployment:
+    """Write `hashes` through the engine for every TP rank of a fresh deployment."""
+    model_digest = digest()
+    ranks = tuple(digest() for _ in range(tp))
+    deployment = Deployment(
+        model_digest,
+        namespace or config.namespace,
+        model,
+        tp,
+        ranks,
+        ObjectShape(model_digest, ranks[0], SLOT).object_bytes,
+    )
+    for rank in ranks:
+        shape = ObjectShape(model_digest, rank, SLOT)
+        cache = LocalTierCache(config, shape, s3=s3_tier(config), pin_memory=False)
+        cache.engine.register(deployment)
+        for h in hashes:
+            cache.put(h, h * (SLOT // len(h)))
+        assert cache.engine.flush(30)
+        cache.close()
+    return deployment
+
+
+@pytest.fixture
+def redis(redis_url):
+    guarded = GuardedRedis(redis_url, build_config({}, environ={}).redis)
+    guarded.client.flushdb()
+    yield guarded
+    guarded.close()
+
+
+def set_ages(redis, deployment, hashes, start=1000.0):
+    """Give `hashes` last-access scores in order, oldest first, on every rank."""
+    for rank in deployment.rank_digests:
+        key = index_key(deployment.model_digest, rank)
+        redis.client.zadd(key, {h: start + i for i, h in enumerate(hashes)}, xx=True)
+
+
+def s3_keys(config) -> set[str]:
+    s3 = s3_tier(config)
+    try:
+        return {key for key, _, _ in s3.list_objects()}
+    finally:
+        s3.close()
+
+
+def indexed(redis, deployment, rank=None) -> set[bytes]:
+    rank = rank or deployment.rank_digests[0]
+    return set(redis.client.zrange(index_key(deployment.model_digest, rank), 0, -1))
+
+
+def key_of(deployment, h, rank=None):
+    return f"{rank or deployment.rank_digests[0]}/{h.hex()}"
+
+
+def test_gc_keeps_namespace_under_capacity_oldest_first(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=4 * OBJECT)
+    hashes = blocks(10)
+    dep = store(config, hashes)
+    other = store(config, blocks(3), namespace="ns2")  # another namespace: not this budget
+    set_ages(redis, dep, hashes)
+    assert len(s3_keys(config)) == 13
+
+    report = run_gc(config)
+
+    assert report["errors"] == []
+    assert report["used_bytes_before"] == 10 * OBJECT
+    assert report["used_bytes_after"] <= 4 * OBJECT
+    assert report["evicted_objects"] == 6
+    assert report["evicted_bytes"] == 6 * OBJECT
+    assert indexed(redis, dep) == set(hashes[6:])  # the newest four stay
+    left = s3_keys(config)
+    assert {key_of(dep, h) for h in hashes[6:]} <= left
+    assert not {key_of(dep, h) for h in hashes[:6]} & left
+    assert len(indexed(redis, other)) == 3
+    # A second pass has nothing to do.
+    again = run_gc(config)
+    assert again["evicted_objects"] == 0 and again["orphans"]["deleted"] == 0
+
+
+def test_gc_evicts_across_tp_ranks_and_deployments(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=6 * OBJECT)
+    old, new = blocks(3), blocks(3)
+    dep_a = store(config, old, tp=2)
+    dep_b = store(config, new, tp=2)
+    set_ages(redis, dep_a, old, start=1000.0)
+    set_ages(redis, dep_b, new, start=2000.0)
+
+    report = run_gc(config)
+
+    assert report["used_bytes_after"] == 6 * OBJECT
+    # dep_a's blocks are older on both ranks, so they all go first.
+    for rank in dep_a.rank_digests:
+        assert indexed(redis, dep_a, rank) == set()
+    for rank in dep_b.rank_digests:
+        assert indexed(redis, dep_b, rank) == set(new)
+
+
+def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=2 * OBJECT)
+    hashes = blocks(5)
+    dep = store(config, hashes)
+    set_ages(redis, dep, hashes)
+    leases = Leases(redis, read_ttl=60)
+    rank = dep.rank_digests[0]
+    token = new_token()
+    assert leases.acquire_read(dep.model_digest, rank, hashes[0], token)  # the oldest
+
+    report = run_gc(config)
+
+    assert report["skipped_leased"] == 1
+    assert report["used_bytes_after"] <= 2 * OBJECT
+    assert hashes[0] in indexed(redis, dep)
+    assert key_of(dep, hashes[0]) in s3_keys(config)
+    assert indexed(redis, dep) == {hashes[0], hashes[4]}
+
+    # Once the lease is released it is the oldest, and goes on the next pass.
+    leases.release_read(dep.model_digest, rank, hashes[0], token)
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+    run_gc(config)
+    assert indexed(redis, dep) == {hashes[4]}
+    assert key_of(dep, hashes[0]) not in s3_keys(config)
+
+
+def test_gc_with_every_victim_leased_stops(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+    hashes = blocks(3)
+    dep = store(config, hashes)
+    leases = Leases(redis, read_ttl=60)
+    for h in hashes:
+        assert leases.acquire_read(dep.model_digest, dep.rank_digests[0], h, new_token())
+
+    report = run_gc(config)
+
+    assert report["evicted_objects"] == 0
+    assert report["skipped_leased"] == 3
+    assert len(s3_keys(config)) == 3
+
+
+class OrderCheckingS3(S3Tier):
+    """Records, for each object deleted, whether its index entry was still there."""
+
+    def __init__(self, config, redis, deployment):
+        super().__init__(config)
+        self.redis = redis
+        self.deployment = deployment
+        self.deleted: list[tuple[str, bool]] = []
+
+    def delete(self, key: str) -> bool:
+        rank, block = key.split("/")
+        score = self.redis.client.zscore(index_key(self.deployment.model_digest, rank), bytes.fromhex(block))
+        self.deleted.append((key, score is not None))
+        return super().delete(key)
+
+
+def test_gc_removes_the_index_entry_before_the_object(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+    hashes = blocks(4)
+    dep = store(config, hashes)
+    spy = OrderCheckingS3(config.s3, redis, dep)
+    try:
+        report = run_gc(config, sweep_orphans=False, s3=spy)
+    finally:
+        spy.close()
+    assert report["evicted_objects"] == 3
+    assert len(spy.deleted) == 3
+    assert not any(still_indexed for _, still_indexed in spy.deleted)
+
+
+def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket)  # no capacity: sweep only
+    hashes = blocks(3)
+    dep = store(config, hashes)
+    # Orphans: an upload whose index write never happened, and one of an unknown deployment.
+    orphan_blocks = blocks(2)
+    s3 = s3_tier(config)
+    shape = ObjectShape(dep.model_digest, dep.rank_digests[0], SLOT)
+    stranger = ObjectShape(digest(), digest(), SLOT)
+    try:
+        for h in orphan_blocks:
+            data = memoryview(h * (SLOT // len(h)))
+            assert s3.put(shape.key(h), data, shape.header(h, data))
+        data = memoryview(bytes(SLOT))
+        assert s3.put(stranger.key(hashes[0]), data, stranger.header(hashes[0], data))
+    finally:
+        s3.close()
+    # An index of an unregistered deployment still protects its objects.
+    unregistered = ObjectShape(digest(), digest(), SLOT)
+    redis.client.zadd(index_key(unregistered.model_digest, unregistered.rank_digest), {hashes[1]: 1.0})
+    s3 = s3_tier(config)
+    try:
+        data = memoryview(bytes(SLOT))
+        assert s3.put(unregistered.key(hashes[1]), data, unregistered.header(hashes[1], data))
+    finally:
+        s3.close()
+    assert len(s3_keys(config)) == 7
+
+    fresh = run_gc(config)  # everything was written just now: inside the grace period
+    assert fresh["orphans"]["deleted"] == 0
+    assert fresh["orphans"]["too_young"] == 7
+    assert len(s3_keys(config)) == 7
+
+    later = run_gc(config, now=time.time() + 3600)
+    assert later["errors"] == []
+    assert later["orphans"]["scanned"] == 7
+    assert later["orphans"]["deleted"] == 3
+    left = s3_keys(config)
+    assert left == {key_of(dep, h) for h in hashes} | {unregistered.key(hashes[1])}
+
+    # --no-sweep leaves orphans alone.
+    s3 = s3_tier(config)
+    try:
+        data = memoryview(bytes(SLOT))
+        assert s3.put(stranger.key(hashes[2]), data, stranger.header(hashes[2], data))
+    finally:
+        s3.close()
+    skipped = run_gc(config, sweep_orphans=False, now=time.time() + 3600)
+    assert skipped["orphans"]["scanned"] == 0
+    assert stranger.key(hashes[2]) in s3_keys(config)
+
+
+def test_orphan_sweep_respects_the_prefix(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, prefix="tenant-a/")
+    outsider = make_config(redis_url, s3_endpoint, bucket, prefix="tenant-b/")
+    shape = ObjectShape(digest(), digest(), SLOT)
+    h = blocks(1)[0]
+    s3 = s3_tier(outsider)
+    try:
+        data = memoryview(bytes(SLOT))
+        assert s3.put(shape.key(h), data, shape.header(h, data))
+    finally:
+        s3.close()
+    report = run_gc(config, now=time.time() + 3600)
+    assert report["orphans"]["scanned"] == 0
+    assert s3_keys(outsider) == {shape.key(h)}
+
+
+def test_gc_reports_redis_down_without_raising(redis_server, s3_endpoint, bucket):
+    config = make_config(redis_server.url, s3_endpoint, bucket, capacity=OBJECT)
+    redis_server.stop()
+    report = run_gc(config)
+    assert report["errors"] and "redis" in report["errors"][0]
+    assert report["evicted_objects"] == 0
+
+
+def test_gc_without_s3_does_nothing(redis_url):
+    config = build_config({"redis_url": redis_url}, environ={})
+    report = run_gc(config)
+    assert report["errors"] == ["s3 is not configured: there is nothing to collect"]
+
+
+def test_flush_namespace_drops_index_then_objects(redis, redis_url, s3_endpoint, bucket, tmp_path):
+    config = make_config(redis_url, s3_endpoint, bucket, disk=tmp_path / "disk")
+    mine, theirs = blocks(4), blocks(2)
+    dep = store(config, mine, tp=2)
+    other = store(config, theirs, namespace="ns2")
+    leases = Leases(redis, read_ttl=60)
+    token = new_token()
+    rank0 = dep.rank_digests[0]
+    assert leases.acquire_read(dep.model_digest, rank0, mine[0], token)
+    assert len(s3_keys(config)) == 10
+    disk_root = tmp_path / "disk"
+    assert len(list(disk_root.glob("*/*/*.safetensors"))) == 10
+
+    report = flush_namespace(config, "ns1")
+
+    assert report["deployments"] == [{"model_digest": dep.model_digest, "model": "tiny-llama"}]
+    assert report["index_entries_removed"] == 8
+    assert report["s3_objects_deleted"] == 7
+    assert report["s3_skipped_leased"] == 1  # left for the orphan sweep
+    assert report["disk_objects_deleted"] == 8
+    index = RedisIndex(redis)
+    assert [d.model_digest for d in index.deployments()] == [other.model_digest]
+    for rank in dep.rank_digests:
+        assert indexed(redis, dep, rank) == set()
+    assert s3_keys(config) == {key_of(other, h) for h in theirs} | {key_of(dep, mine[0])}
+    assert len(list(disk_root.glob("*/*/*.safetensors"))) == 2
+
+    # The leased object goes with the sweep once it is old enough.
+    leases.release_read(dep.model_digest, rank0, mine[0], token)
+    run_gc(config, now=time.time() + 3600)
+    assert s3_keys(config) == {key_of(other, h) for h in theirs}
+
+
+def test_flush_of_an_unknown_namespace_is_empty(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket)
+    store(config, blocks(1))
+    report = flush_namespace(config, "nobody")
+    assert report["deployments"] == [] and report["s3_objects_deleted"] == 0
+    assert len(s3_keys(config)) == 1

@@ -1,0 +1,562 @@
+"""The service's endpoints against a real redis-server and moto's S3 server, with
+objects written by the tier engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiercache.tiers.s3 import S3Tier, make_client
+
+from tiercache.config import build_config
+from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.index import REGISTRY, Deployment, index_key
+from tiercache.redis_conn import GuardedRedis
+from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
+
+SLOT = 4096
+OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
+TOKEN = "s3cr3t-admin-token"
+
+
+def make_config(redis_url, s3_endpoint=None, bucket=None, *, namespace="ns1", capacity=None, disk=None):
+    data = {"namespace": namespace, "redis_url": redis_url, "cpu": {"capacity": 64 * SLOT}}
+    if s3_endpoint:
+        data["s3"] = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"}
+        if capacity is not None:
+            data["s3"]["capacity"] = capacity
+    if disk is not None:
+        data["disk"] = {"path": str(disk)}
+    return build_config(data, environ={})
+
+
+@functools.lru_cache
+def _client(s3_config):
+    return make_client(s3_config)
+
+
+def digest() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def blocks(n: int) -> list[bytes]:
+    return [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in range(n)]
+
+
+def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama", tiers=("disk", "s3")):
+    """Write `hashes` through the engine for every TP rank of a fresh deployment."""
+    model_digest = digest()
+    ranks = tuple(digest() for _ in range(tp))
+    object_bytes = ObjectShape(model_digest, ranks[0], SLOT).object_bytes
+    deployment = Deployment(model_digest, namespace or config.namespace, model, tp, ranks, object_bytes)
+    for rank in ranks:
+        s3 = S3Tier(config.s3, client=_client(config.s3)) if config.s3 else None
+        cache = LocalTierCache(config, ObjectShape(model_digest, rank, SLOT), s3=s3, pin_memory=False)
+        cache.engine.register(deployment)
+        for h in hashes:
+            data = h * (SLOT // len(h))
+            cache.engine.write_down(h, None, lambda r: None, data=data, tiers=tiers)
+        assert cache.engine.flush(30)
+        cache.close()
+    return deployment
+
+
+@pytest.fixture
+def redis(redis_url):
+    guarded = GuardedRedis(redis_url, build_config({}, environ={}).redis)
+    guarded.client.flushdb()
+    yield guarded
+    guarded.close()
+
+
+@pytest.fixture
+def stack(redis, redis_url, s3_endpoint, bucket, tmp_path):
+    """A config with every tier, and a client of the service on it."""
+    config = make_config(redis_url, s3_endpoint, bucket, disk=tmp_path / "disk", capacity=8 * OBJECT)
+    with TestClient(create_app(config, admin_token=TOKEN)) as client:
+        yield config, client
+
+
+@pytest.fixture(scope="module")
+def light(redis_url):
+    """A service on Redis alone (no S3 client to build): for input and auth checks."""
+    with TestClient(create_app(make_config(redis_url), admin_token=TOKEN)) as client:
+        yield client
+
+
+def admin(token=TOKEN):
+    return {"Authorization": f"Bearer {token}"}
+
+
+# -- probes ---------------------------------------------------------------------------
+def test_healthz(stack):
+    _, client = stack
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_readyz_follows_redis_down_and_back(redis_server, s3_endpoint, bucket):
+    config = make_config(redis_server.url, s3_endpoint, bucket)
+    client = TestClient(create_app(config))
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"] == {"redis": {"ok": True}, "s3": {"ok": True}}
+
+    redis_server.stop()
+    down = client.get("/readyz")
+    assert down.status_code == 503
+    body = down.json()
+    assert body["status"] == "unavailable"
+    assert body["checks"]["redis"]["ok"] is False and "PING" in body["checks"]["redis"]["error"]
+    assert body["checks"]["s3"] == {"ok": True}
+    # Liveness does not follow a dependency.
+    assert client.get("/healthz").status_code == 200
+    # Nothing that reads Redis fails with a 500 meanwhile.
+    lookup = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": ["00" * 32]})
+    assert lookup.status_code == 503
+    stats = client.get("/v1/stats")
+    assert stats.status_code == 200 and stats.json()["redis"]["available"] is False
+    assert client.get("/metrics").status_code == 200
+
+    redis_server.start()
+    for _ in range(50):  # the client reconnects on its next call
+        back = client.get("/readyz")
+        if back.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert back.status_code == 200, back.text
+    # Lookups answer again once the breaker's (short, for the service) backoff ends.
+    for _ in range(50):
+        lookup = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": ["00" * 32]})
+        if lookup.status_code == 200:
+            break
+        assert lookup.status_code == 503
+        time.sleep(0.1)
+    assert lookup.status_code == 200, lookup.text
+
+
+def test_readyz_names_s3_when_the_bucket_is_missing(redis, redis_url, s3_endpoint):
+    config = make_config(redis_url, s3_endpoint, "no-such-bucket-here")
+    response = TestClient(create_app(config)).get("/readyz")
+    assert response.status_code == 503
+    checks = response.json()["checks"]
+    assert checks["redis"] == {"ok": True}
+    assert checks["s3"]["ok"] is False and "head_bucket" in checks["s3"]["error"]
+
+
+def test_readyz_names_s3_when_the_endpoint_is_gone(redis, redis_url):
+    from tiercache.testing.servers import free_port
+
+    config = make_config(redis_url, f"http://127.0.0.1:{free_port()}", "some-bucket")
+    response = TestClient(create_app(config)).get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["checks"]["s3"]["ok"] is False
+
+
+def test_openapi_describes_every_endpoint(stack):
+    _, client = stack
+    spec = client.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path, method in [
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/metrics", "get"),
+        ("/v1/stats", "get"),
+        ("/v1/lookup", "post"),
+        ("/v1/namespaces/{namespace}", "delete"),
+        ("/v1/gc", "post"),
+    ]:
+        operation = paths[path][method]
+        assert operation.get("description"), f"{method} {path} has no description"
+    assert "HTTPBearer" in spec["components"]["securitySchemes"]
+    lookup = spec["components"]["schemas"]["LookupRequest"]
+    assert lookup["properties"]["block_hashes"]["maxItems"] == MAX_LOOKUP_HASHES
+
+
+# -- lookup ---------------------------------------------------------------------------
+def test_lookup_finds_the_longest_prefix_per_deployment(stack, redis):
+    config, client = stack
+    prompt = blocks(6)
+    single = store(config, prompt[:4])  # S3 and disk
+    sharded = store(config, prompt[:2], tp=2, tiers=("s3",))
+    store(config, prompt, namespace="ns2")  # another namespace: never answered for ns1
+    scores_before = redis.client.zrange(
+        index_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
+    )
+
+    response = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
+
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["namespace"] == "ns1"
+    assert body["requested_blocks"] == 6
+    assert body["prefix_blocks"] == 4
+    by_digest = {d["model_digest"]: d for d in body["deployments"]}
+    assert set(by_digest) == {single.model_digest, sharded.model_digest}
+    assert by_digest[single.model_digest] == {
+        "model_digest": single.model_digest,
+        "model": "tiny-llama",
+        "tp_size": 1,
+        "prefix_blocks": 4,
+        "tiers": {"s3": 4, "disk": 4},
+    }
+    assert by_digest[sharded.model_digest]["tiers"] == {"s3": 2, "disk": 0}
+    assert body["deployments"][0]["model_digest"] == single.model_digest  # longest first
+    # A router asking is not an access: GC order is unchanged.
+    scores_after = redis.client.zrange(
+        index_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
+    )
+    assert scores_after == scores_before
+
+    # A gap ends the prefix; upper-case hex is accepted.
+    gap = [prompt[0].hex().upper(), blocks(1)[0].hex(), prompt[2].hex()]
+    body = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": gap}).json()
+    assert body["prefix_blocks"] == 1
+
+    body = client.post("/v1/lookup", json={"namespace": "nobody", "block_hashes": [prompt[0].hex()]}).json()
+    assert body == {"namespace": "nobody", "requested_blocks": 1, "prefix_blocks": 0, "deployments": []}
+
+
+def test_lookup_counts_a_missing_rank_as_a_miss(stack, redis):
+    config, client = stack
+    prompt = blocks(3)
+    dep = store(config, prompt, tp=2, tiers=("s3",))
+    redis.client.zrem(index_key(dep.model_digest, dep.rank_digests[1]), prompt[1])
+    body = client.post(
+        "/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
+    ).json()
+    assert body["prefix_blocks"] == 1
+
+
+BAD_LOOKUPS = [
+    ({"namespace": "ns1", "block_hashes": []}, "block_hashes"),
+    ({"namespace": "ns1", "block_hashes": ["xyz" * 8]}, "block_hashes.0"),
+    ({"namespace": "ns1", "block_hashes": ["00" * 32, "abc"]}, "block_hashes.1"),
+    ({"namespace": "ns1", "block_hashes": ["0" * 33]}, "block_hashes.0"),  # odd length
+    ({"namespace": "ns1", "block_hashes": ["00" * 65]}, "block_hashes.0"),  # too long
+    ({"namespace": "ns1", "block_hashes": [7]}, "block_hashes.0"),
+    ({"namespace": "ns1", "block_hashes": "00" * 32}, "block_hashes"),
+    ({"namespace": "../etc", "block_hashes": ["00" * 32]}, "namespace"),
+    ({"namespace": "", "block_hashes": ["00" * 32]}, "namespace"),
+    ({"namespace": "a" * 129, "block_hashes": ["00" * 32]}, "namespace"),
+    ({"block_hashes": ["00" * 32]}, "namespace"),
+    ({"namespace": "ns1"}, "block_hashes"),
+    ({"namespace": "ns1", "block_hashes": ["00" * 32], "extra": 1}, "extra"),
+    ({"namespace": "ns1", "block_hashes": ["00" * 8] * (MAX_LOOKUP_HASHES + 1)}, "block_hashes"),
+    ([], "body"),
+]
+
+
+@pytest.mark.parametrize(("payload", "field"), BAD_LOOKUPS, ids=[f for _, f in BAD_LOOKUPS])
+def test_lookup_rejects_bad_input_naming_the_field(light, payload, field):
+    client = light
+    response = client.post("/v1/lookup", json=payload)
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert field in body["message"]
+    assert all({"loc", "msg", "type"} <= set(problem) for problem in body["detail"])
+
+
+def test_lookup_rejects_bodies_that_are_not_json(light):
+    client = light
+    for content, headers in [
+        (b"{not json", {"content-type": "application/json"}),
+        (b"\xff\xfe\x00", {"content-type": "application/json"}),
+        (b'{"namespace": "ns1"}', {"content-type": "text/plain"}),
+        (b"", {"content-type": "application/json"}),
+        (b'{"namespace": NaN, "block_hashes": [Infinity, -Infinity]}', {"content-type": "application/json"}),
+        (b'{"namespace": "ns1", "block_hashes": ["\\ud800"]}', {"content-type": "application/json"}),
+        (b'{"\\udfff": 1, "namespace": "ns1", "block_hashes": ["' + b"0" * 16 + b'"]}', {}),
+    ]:
+        response = client.post("/v1/lookup", content=content, headers=headers)
+        assert 400 <= response.status_code < 500, (content, response.status_code, response.text)
+    huge = client.post(
+        "/v1/lookup",
+        content=b"[]",
+        headers={"content-type": "application/json", "content-length": str(1 << 30)},
+    )
+    assert huge.status_code in (400, 413)
+
+
+HEX = "0123456789abcdefABCDEF"
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _is_good_hash(value) -> bool:
+    return (
+        isinstance(value, str)
+        and 16 <= len(value) <= 128
+        and len(value) % 2 == 0
+        and all(c in HEX for c in value)
+    )
+
+
+def _is_good_namespace(value) -> bool:
+    allowed = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return (
+        isinstance(value, str)
+        and 1 <= len(value) <= 128
+        and value[0] in allowed
+        and all(c in allowed + "._-" for c in value)
+    )
+
+
+good_hash = st.binary(min_size=8, max_size=64).map(bytes.hex)
+bad_hash = (st.text(max_size=140) | st.text(HEX, max_size=140) | json_values).filter(
+    lambda v: not _is_good_hash(v)
+)
+bad_namespace = (st.text(max_size=140) | json_values).filter(lambda v: not _is_good_namespace(v))
+
+
+@st.composite
+def bad_lookups(draw):
+    """A lookup body with at least one defect (and maybe more)."""
+    body = {
+        "namespace": draw(st.sampled_from(["ns1", "other.ns_2-x"]) | bad_namespace),
+        "block_hashes": draw(st.lists(good_hash | bad_hash, max_size=6)),
+    }
+    defect = draw(st.sampled_from(["namespace", "hash", "empty", "type", "extra", "missing"]))
+    if defect == "namespace":
+        body["namespace"] = draw(bad_namespace)
+    elif defect == "hash":
+        at = draw(st.integers(0, len(body["block_hashes"])))
+        body["block_hashes"].insert(at, draw(bad_hash))
+    elif defect == "empty":
+        body["block_hashes"] = []
+    elif defect == "type":
+        body["block_hashes"] = draw(json_values.filter(lambda v: not isinstance(v, list)))
+    elif defect == "extra":
+        body[draw(st.text(max_size=10).filter(lambda k: k not in body))] = draw(json_values)
+    else:
+        del body[draw(st.sampled_from(sorted(body)))]
+    return body
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=bad_lookups())
+def test_lookup_answers_every_bad_body_with_a_4xx(light, body):
+    client = light
+    response = client.post("/v1/lookup", json=body)
+    assert 400 <= response.status_code < 500, (body, response.status_code, response.text)
+    json.loads(response.text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=json_values, raw=st.binary(max_size=64), as_raw=st.booleans())
+def test_lookup_never_answers_500(light, body, raw, as_raw):
+    client = light
+    if as_raw:
+        response = client.post("/v1/lookup", content=raw, headers={"content-type": "application/json"})
+    else:
+        response = client.post("/v1/lookup", json=body)
+    assert response.status_code < 500, (body, raw, response.text)
+
+
+# -- stats and metrics ------------------------------------------------------------------
+def test_stats_per_namespace_and_tier_and_never_the_secret(
+    redis, redis_url, s3_endpoint, bucket, tmp_path, monkeypatch
+):
+    secret = f"AWS-SECRET-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    _client.cache_clear()
+    config = make_config(redis_url, s3_endpoint, bucket, disk=tmp_path / "disk", capacity=100 * OBJECT)
+    prompt = blocks(5)
+    dep = store(config, prompt, tp=2)
+    other = store(config, prompt[:2], namespace="ns2", tiers=("s3",))
+    _client.cache_clear()
+    client = TestClient(create_app(config, admin_token=TOKEN))
+    hashes = [h.hex() for h in prompt]
+    assert (
+        client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": hashes}).json()["prefix_blocks"]
+        == 5
+    )
+    client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [blocks(1)[0].hex(), *hashes[:4]]})
+
+    response = client.get("/v1/stats")
+
+    assert response.status_code == 200
+    assert secret not in response.text
+    body = response.json()
+    ns1 = body["namespaces"]["ns1"]
+    assert ns1["tiers"]["s3"] == {"objects": 10, "bytes": 10 * OBJECT}
+    assert ns1["tiers"]["disk"]["objects"] == 10
+    assert ns1["tiers"]["disk"]["bytes"] == 10 * OBJECT
+    assert ns1["lookups"] == {"requests": 2, "blocks_requested": 10, "blocks_hit": 5, "hit_rate": 0.5}
+    assert [d["model_digest"] for d in ns1["deployments"]] == [dep.model_digest]
+    ns2 = body["namespaces"]["ns2"]
+    assert ns2["tiers"]["s3"] == {"objects": 2, "bytes": 2 * OBJECT}
+    assert ns2["lookups"]["requests"] == 0
+    rows = {(r["namespace"], r["tier"]): r for r in body["rows"]}
+    assert rows[("ns1", "s3")]["objects"] == 10 and rows[("ns2", "s3")]["model_digest"] == other.model_digest
+    assert body["s3"]["capacity_bytes"] == 100 * OBJECT and body["s3"]["used_bytes"] == 10 * OBJECT
+    assert body["redis"]["available"] is True and body["errors"] == []
+    # Nothing else the service says carries it either.
+    for path in ("/readyz", "/metrics", "/openapi.json", "/healthz"):
+        assert secret not in client.get(path).text
+    assert secret not in client.post("/v1/gc", headers=admin()).text
+
+    assert collect_stats(config)["rows"] == body["rows"]
+
+
+def test_stats_without_redis_scans_the_disk(tmp_path):
+    config = build_config({"disk": {"path": str(tmp_path / "d")}, "cpu": {"capacity": 64 * SLOT}}, environ={})
+    cache = LocalTierCache(config, ObjectShape(digest(), digest(), SLOT), pin_memory=False)
+    for h in blocks(3):
+        cache.put(h, h * (SLOT // len(h)))
+    assert cache.engine.flush(30)
+    cache.close()
+    body = TestClient(create_app(config)).get("/v1/stats").json()
+    assert body["namespaces"]["(unregistered)"]["tiers"]["disk"]["objects"] == 3
+    assert body["redis"]["configured"] is False
+    assert TestClient(create_app(config)).get("/readyz").status_code == 200
+
+
+def test_metrics_exposes_index_series_refreshed_on_scrape(stack):
+    config, client = stack
+    first = client.get("/metrics")
+    assert first.status_code == 200
+    assert first.headers["content-type"].startswith("text/plain")
+    prompt = blocks(3)
+    store(config, prompt, tiers=("s3",))
+    client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
+
+    text = client.get("/metrics").text
+
+    assert 'tiercache_index_objects{namespace="ns1",tier="s3"} 3.0' in text
+    assert f'tiercache_index_bytes{{namespace="ns1",tier="s3"}} {float(3 * OBJECT)}' in text
+    assert 'tiercache_service_lookups_total{namespace="ns1"} 1.0' in text
+    assert 'tiercache_service_lookup_hit_blocks_total{namespace="ns1"} 3.0' in text
+    assert 'tiercache_dependency_up{dependency="redis"} 1.0' in text
+    assert f'tiercache_s3_capacity_bytes{{namespace="ns1"}} {float(8 * OBJECT)}' in text
+    assert "tiercache_lookup_blocks_total" in text  # the process-wide series too
+    names = {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert all(n.startswith(("tiercache_", "python_", "process_")) for n in names), names
+
+
+# -- admin ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("method", "path"), [("post", "/v1/gc"), ("delete", "/v1/namespaces/ns1")])
+def test_admin_needs_the_token(light, method, path):
+    call = getattr(light, method)
+    missing = call(path)
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert call(path, headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+    assert call(path, headers={"Authorization": "Bearer "}).status_code == 401
+    wrong = call(path, headers=admin("not-the-token"))
+    assert wrong.status_code == 403
+    assert call(path, headers=admin(TOKEN + "x")).status_code == 403
+    assert call(path, headers=admin(TOKEN)).status_code in (200, 409)  # 409: no S3 to collect
+
+
+def test_admin_is_refused_when_no_token_is_configured(redis, redis_url, s3_endpoint, bucket):
+    client = TestClient(create_app(make_config(redis_url, s3_endpoint, bucket), admin_token=None))
+    for response in (client.post("/v1/gc", headers=admin()), client.delete("/v1/namespaces/ns1")):
+        assert response.status_code == 403
+        assert "TIERCACHE_ADMIN_TOKEN is unset" in response.json()["detail"]
+
+
+def test_flush_namespace_endpoint(stack, redis, tmp_path):
+    config, client = stack
+    mine, theirs = blocks(3), blocks(2)
+    dep = store(config, mine)
+    other = store(config, theirs, namespace="ns2")
+
+    bad = client.delete("/v1/namespaces/..bad", headers=admin())
+    assert bad.status_code == 422 and "namespace" in bad.json()["message"]
+    response = client.delete("/v1/namespaces/ns1", headers=admin())
+
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["deployments"] == [{"model_digest": dep.model_digest, "model": "tiny-llama"}]
+    assert report["index_entries_removed"] == 3
+    assert report["s3_objects_deleted"] == 3
+    assert report["disk_objects_deleted"] == 3
+    lookup = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [mine[0].hex()]}).json()
+    assert lookup["deployments"] == []
+    lookup = client.post("/v1/lookup", json={"namespace": "ns2", "block_hashes": [theirs[0].hex()]}).json()
+    assert lookup["deployments"][0]["model_digest"] == other.model_digest
+    assert lookup["prefix_blocks"] == 1
+    stats = client.get("/v1/stats").json()
+    assert "ns1" not in stats["namespaces"] or stats["namespaces"]["ns1"]["deployments"] == []
+
+
+def test_gc_endpoint_keeps_capacity(stack, redis):
+    config, client = stack  # capacity: 8 objects
+    hashes = blocks(12)
+    dep = store(config, hashes, tiers=("s3",))
+    for i, h in enumerate(hashes):
+        redis.client.zadd(index_key(dep.model_digest, dep.rank_digests[0]), {h: 1000.0 + i}, xx=True)
+
+    response = client.post("/v1/gc", headers=admin(), params={"sweep_orphans": "false"})
+
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["evicted_objects"] == 4 and report["used_bytes_after"] == 8 * OBJECT
+    assert report["orphans"]["scanned"] == 0
+    assert set(redis.client.zrange(index_key(dep.model_digest, dep.rank_digests[0]), 0, -1)) == set(
+        hashes[4:]
+    )
+    stats = client.get("/v1/stats").json()
+    assert stats["gc"]["evicted_objects"] == 4 and stats["gc"]["runs"]["ok"] == 1
+    assert "tiercache_gc_evicted_objects_total 4.0" in client.get("/metrics").text
+    bad = client.post("/v1/gc", headers=admin(), params={"grace_seconds": "-1"})
+    assert bad.status_code == 422 and "grace_seconds" in bad.json()["message"]
+
+
+def test_gc_endpoint_without_s3(redis, redis_url):
+    client = TestClient(create_app(make_config(redis_url), admin_token=TOKEN))
+    response = client.post("/v1/gc", headers=admin())
+    assert response.status_code == 409
+    assert "s3 is not configured" in response.json()["detail"]
+
+
+def test_background_gc_runs_on_its_interval(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket, capacity=2 * OBJECT)
+    dep = store(config, blocks(5), tiers=("s3",))
+    with TestClient(create_app(config, gc_interval=0.1)) as client:
+        for _ in range(100):
+            stats = client.get("/v1/stats").json()
+            if stats["gc"]["runs"]["ok"]:
+                break
+            time.sleep(0.1)
+        assert stats["gc"]["runs"]["ok"] >= 1
+        assert stats["gc"]["evicted_objects"] == 3
+    assert redis.client.zcard(index_key(dep.model_digest, dep.rank_digests[0])) == 2
+
+
+def test_unreadable_registry_entries_are_skipped(stack, redis, tmp_path):
+    config, client = stack
+    prompt = blocks(2)
+    dep = store(config, prompt, tiers=("s3",))
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    evil = Deployment("e" * 16, "ns1", "evil", 1, (f"../../{outside.name}",), OBJECT)
+    redis.client.hset(REGISTRY, mapping={"junk": "not json", "evil": evil.to_json(), "odd": '{"model": 1}'})
+
+    stats = client.get("/v1/stats").json()
+    assert [d["model_digest"] for d in stats["namespaces"]["ns1"]["deployments"]] == [dep.model_digest]
+    lookup = {"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
+    body = client.post("/v1/lookup", json=lookup).json()
+    assert [d["model_digest"] for d in body["deployments"]] == [dep.model_digest]
+    assert client.post("/v1/gc", headers=admin()).status_code == 200
+    assert client.delete("/v1/namespaces/ns1", headers=admin()).status_code == 200
+    assert outside.is_dir()

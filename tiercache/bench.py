@@ -1,0 +1,647 @@
+"""`tiercache bench`: each tier's put/get throughput against a raw baseline measured
+in the same run on the same bytes, the Redis prefix lookup, and memory.
+
+Baselines:
+  cpu   one numpy memcpy of all the blocks' bytes (source and destination pre-faulted)
+  disk  plain open()/write() and open()/readinto() of files of the same sizes in the
+        same directory (both warm in the page cache: nothing drops it)
+  s3    plain boto3 put_object/get_object of the same payloads, same client settings,
+        same concurrency (s3.max_concurrency threads)
+
+The tier side runs the code the engine runs: slot allocation and copies for cpu;
+header + checksum + temp file + rename, and verified reads into CPU slots, for disk;
+write lease + PUT + index publish, and read lease + verified GET into CPU slots, for
+s3. Tier and baseline alternate within each repeat; figures are medians over the
+repeats, the warm-up repeat excluded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPEATS = 5  # measured, after one warm-up
+LOOKUP_SIZES = (32, 256, 2048)
+LOOKUP_SAMPLES = 200
+INDEX_MEMBERS = 100_000
+RSS_CPU_CAPACITY = 4 * 2**30
+TARGETS = {"cpu": 0.70, "disk": 0.70, "s3": 0.90}
+MAX_REDIS_BYTES_PER_BLOCK = 200
+MAX_RSS_OVERHEAD = 0.10
+
+log = logging.getLogger(__name__)
+
+
+# -- servers ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _moto_process(bucket: str) -> Iterator[str]:
+    """moto's S3 server in its own process (as a real S3 endpoint would be), so it does
+    not share this process's interpreter lock with the clients being measured."""
+    from tiercache.testing.servers import _wait_port, create_bucket, free_port
+
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
+        os.environ.setdefault(name, value)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_port(port, timeout=60)
+        url = f"http://127.0.0.1:{port}"
+        create_bucket(url, bucket)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def _servers(stack: str, redis_url: str | None, s3_endpoint: str | None, bucket: str):
+    if redis_url or s3_endpoint:
+        if not (redis_url and s3_endpoint):
+            raise ValueError("--redis and --s3-endpoint go together")
+        from tiercache.testing.servers import create_bucket
+
+        create_bucket(s3_endpoint, bucket)
+        yield redis_url, s3_endpoint, "given endpoint"
+        return
+    if stack != "local":
+        raise ValueError(f"--stack must be 'local' (or give --redis and --s3-endpoint), got {stack!r}")
+    from moto import __version__ as moto_version
+
+    from tiercache.testing.servers import RedisServer
+
+    redis_server = RedisServer().start()
+    try:
+        with _moto_process(bucket) as url:
+            yield redis_server.url, url, f"moto {moto_version} S3 server (Python), own process, loopback"
+    finally:
+        redis_server.close()
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class _Pair:
+    """Times of a tier operation and its baseline, alternated within each repeat."""
+
+    def __init__(self) -> None:
+        self.tier: list[float] = []
+        self.raw: list[float] = []
+
+    def add(self, repeat: int, tier: Callable[[], Any], raw: Callable[[], Any]) -> None:
+        first, second = (tier, raw) if repeat % 2 == 0 else (raw, tier)
+        a, b = _timed(first), _timed(second)
+        tier_s, raw_s = (a, b) if repeat % 2 == 0 else (b, a)
+        if repeat > 0:  # repeat 0 is the warm-up
+            self.tier.append(tier_s)
+            self.raw.append(raw_s)
+
+    def gbps(self, nbytes: int) -> tuple[float, float]:
+        return _gbps(nbytes, statistics.median(self.tier)), _gbps(nbytes, statistics.median(self.raw))
+
+
+def _tier_figures(put: _Pair, get: _Pair, nbytes: int) -> dict[str, float]:
+    put_gbps, raw_put = put.gbps(nbytes)
+    get_gbps, raw_get = get.gbps(nbytes)
+    return {
+        "put_gbps": round(put_gbps, 4),
+        "get_gbps": round(get_gbps, 4),
+        "raw_put_gbps": round(raw_put, 4),
+        "raw_get_gbps": round(raw_get, 4),
+        "put_ratio": round(put_gbps / raw_put, 3),
+        "get_ratio": round(get_gbps / raw_get, 3),
+    }
+
+
+def _hashes(n: int, salt: int) -> list[bytes]:
+    rng = np.random.default_rng(10_000 + salt)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(), transient=False
+            )
+            self.task = self.bar.add_task("starting", total=total)
+
+    def __enter__(self) -> _Progress:
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def step(self, description: str) -> None:
+        if self.bar:
+            self.bar.update(self.task, advance=1, description=description)
+
+
+# -- tiers ------------------------------------------------------------------------------
+
+
+def _bench_cpu(payload: np.ndarray, progress: _Progress) -> dict[str, float]:
+    from tiercache.config import build_config
+    from tiercache.engine import LocalTierCache, ObjectShape
+
+    blocks, block_bytes = payload.shape
+    config = build_config({"cpu": {"capacity": blocks * block_bytes}}, environ={})
+    shape = ObjectShape("c" * 16, "c" * 16, block_bytes)
+    cache = LocalTierCache(config, shape, pin_memory=False)
+    raw_dst = np.zeros_like(payload)  # pre-faulted, as the cache's buffer is
+    out = np.zeros_like(payload)  # where a get copies to (vLLM's paged KV)
+    source = cache.buffer.tensor.numpy()
+    rows = [memoryview(row) for row in payload]
+    outs = [memoryview(row) for row in out]
+    put, get = _Pair(), _Pair()
+    try:
+        for repeat in range(REPEATS + 1):
+            hashes = _hashes(blocks, repeat)
+            cache.slots.clear()
+
+            def tier_put(hashes=hashes) -> None:
+                for block_hash, row in zip(hashes, rows, strict=True):
+                    cache.put(block_hash, row)
+
+            def tier_get(hashes=hashes) -> None:
+                for block_hash, dst in zip(hashes, outs, strict=True):
+                    _, view = cache.get(block_hash)
+                    dst[:] = view
+
+            put.add(repeat, tier_put, lambda: np.copyto(raw_dst, payload))
+            get.add(repeat, tier_get, lambda: np.copyto(out, source))
+            progress.step("cpu")
+    finally:
+        cache.close()
+    return _tier_figures(put, get, payload.nbytes)
+
+
+def _bench_disk(payload: np.ndarray, root: Path, progress: _Progress) -> dict[str, float]:
+    from tiercache.engine import ObjectShape
+    from tiercache.tiers.cpu import CpuBuffer
+    from tiercache.tiers.disk import DiskTier
+
+    blocks, block_bytes = payload.shape
+    shape = ObjectShape("d" * 16, "d" * 16, block_bytes)
+    tier = DiskTier(root, 2 * (REPEATS + 1) * blocks * shape.object_bytes)
+    buffer = CpuBuffer(blocks, block_bytes, pin_memory=False)  # gets land in CPU slots
+    slots = [buffer.view(i) for i in range(blocks)]
+    rows = [memoryview(row) for row in payload]
+    file_bytes = shape.object_bytes
+    raw_in = bytearray(file_bytes)
+    put, get = _Pair(), _Pair()
+    for repeat in range(REPEATS + 1):
+        hashes = _hashes(blocks, 100 + repeat)
+        keys = [shape.key(h) for h in hashes]
+        raw_paths = [tier.path_of(k).with_name("raw-" + tier.path_of(k).name) for k in keys]
+
+        def tier_put(hashes=hashes, keys=keys) -> None:
+            for block_hash, key, row in zip(hashes, keys, rows, strict=True):
+                if not tier.put(key, row, shape.header(block_hash, row)):
+                    raise RuntimeError(f"disk tier refused {key}")
+
+        def raw_put(hashes=hashes, raw_paths=raw_paths) -> None:
+            # The same bytes as the tier writes: a preamble of the same size, then the pages.
+            for block_hash, path, row in zip(hashes, raw_paths, rows, strict=True):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(bytes(file_bytes - block_bytes))
+                    f.write(row)
+
+        def tier_get(keys=keys) -> None:
+            for key, slot in zip(keys, slots, strict=True):
+                if not tier.get_into(key, slot):
+                    raise RuntimeError(f"disk tier lost {key}")
+
+        def raw_get(keys=keys) -> None:
+            for key in keys:  # the very files the tier wrote, read whole
+                with open(tier.path_of(key), "rb", buffering=0) as f:
+                    f.readinto(raw_in)
+
+        put.add(repeat, tier_put, raw_put)
+        get.add(repeat, tier_get, raw_get)
+        for key, path in zip(keys, raw_paths, strict=True):
+            tier.delete(key)
+            path.unlink()
+        progress.step("disk")
+    return _tier_figures(put, get, payload.nbytes)
+
+
+def _bench_s3(
+    payload: np.ndarray, redis_url: str, s3_endpoint: str, bucket: str, progress: _Progress
+) -> tuple[dict[str, float], int]:
+    from tiercache.config import build_config
+    from tiercache.engine import S3, ObjectShape, TierEngine
+    from tiercache.tiers.cpu import CpuBuffer
+    from tiercache.tiers.s3 import make_client
+
+    blocks, block_bytes = payload.shape
+    config = build_config(
+        {
+            "redis_url": redis_url,
+            "cpu": {"capacity": blocks * block_bytes},
+            "s3": {"bucket": bucket, "prefix": "bench/", "endpoint_url": s3_endpoint, "region": "us-east-1"},
+        },
+        environ={},
+    )
+    concurrency = config.s3.max_concurrency
+    shape = ObjectShape("e" * 16, "e" * 16, block_bytes)
+    buffer = CpuBuffer(blocks, block_bytes, pin_memory=False)
+    engine = TierEngine(config, shape, buffer)
+    raw_client = make_client(config.s3)  # plain boto3, the same transport settings
+    pool = ThreadPoolExecutor(concurrency)
+    rows = [memoryview(row) for row in payload]
+    put, get = _Pair(), _Pair()
+    try:
+        for repeat in range(REPEATS + 1):
+            hashes = _hashes(blocks, 200 + repeat)
+            headers = [shape.header(h, row) for h, row in zip(hashes, rows, strict=True)]
+            names = [engine.s3.object_name(h.key) for h in headers]
+            raw_bodies = [h.encode() + row.tobytes() for h, row in zip(headers, rows, strict=True)]
+
+            def tier_put(hashes=hashes, headers=headers) -> None:
+                done = pool.map(lambda i: engine._upload(hashes[i], rows[i], headers[i]), range(blocks))
+                if not all(done):
+                    raise RuntimeError("s3 tier refused a put")
+
+            def raw_put(names=names, raw_bodies=raw_bodies) -> None:
+                list(
+                    pool.map(
+                        lambda i: raw_client.put_object(
+                            Bucket=bucket, Key=names[i] + ".raw", Body=raw_bodies[i]
+                        ),
+                        range(blocks),
+                    )
+                )
+
+            def tier_get(hashes=hashes) -> None:
+                done = pool.map(lambda i: engine.read_into(hashes[i], buffer.view(i), S3), range(blocks))
+                if not all(done):
+                    raise RuntimeError("s3 tier lost an object")
+
+            def raw_get(names=names) -> None:  # the very objects the tier wrote
+                list(
+                    pool.map(
+                        lambda i: raw_client.get_object(Bucket=bucket, Key=names[i])["Body"].read(),
+                        range(blocks),
+                    )
+                )
+
+            put.add(repeat, tier_put, raw_put)
+            get.add(repeat, tier_get, raw_get)
+            for start in range(0, blocks, 500):
+                chunk = names[start : start + 500]
+                objects = [{"Key": n} for n in chunk] + [{"Key": n + ".raw"} for n in chunk]
+                raw_client.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+            engine.index.redis.client.delete(_index_key(shape))
+            progress.step("s3")
+    finally:
+        pool.shutdown()
+        engine.close()
+    return _tier_figures(put, get, payload.nbytes), concurrency
+
+
+def _index_key(shape) -> str:
+    from tiercache.index import index_key
+
+    return index_key(shape.model_digest, shape.rank_digest)
+
+
+# -- lookup and memory ------------------------------------------------------------------
+
+
+def _bench_lookup(redis_url: str, progress: _Progress) -> dict[str, dict[str, float]]:
+    from tiercache.config import RedisConfig
+    from tiercache.index import RedisIndex, index_key
+    from tiercache.redis_conn import GuardedRedis
+
+    guarded = GuardedRedis(redis_url, RedisConfig())
+    index = RedisIndex(guarded)
+    model, rank = "f" * 16, "f" * 16
+    key = index_key(model, rank)
+    sent = [0]
+    original = guarded.client.execute_command
+
+    def counting(*args, **kwargs):
+        sent[0] += 1
+        return original(*args, **kwargs)
+
+    results = {}
+    try:
+        for n in LOOKUP_SIZES:
+            hashes = _hashes(n, 300 + n)
+            guarded.client.delete(key)
+            guarded.client.zadd(key, dict.fromkeys(hashes, time.time()))
+            for _ in range(5):  # warm-up: script loaded, connection open
+                assert index.longest_prefix(model, [rank], hashes) == n
+            guarded.client.execute_command = counting
+            sent[0] = 0
+            times = []
+            for _ in range(LOOKUP_SAMPLES):
+                start = time.perf_counter()
+                found = index.longest_prefix(model, [rank], hashes)
+                times.append(time.perf_counter() - start)
+                assert found == n
+            del guarded.client.execute_command
+            trips = sent[0] / LOOKUP_SAMPLES
+            results[str(n)] = {
+                "p50_ms": round(statistics.median(times) * 1000, 4),
+                "p99_ms": round(float(np.percentile(times, 99)) * 1000, 4),
+                "round_trips": int(trips) if trips == int(trips) else round(trips, 3),
+            }
+            progress.step("lookup")
+    finally:
+        guarded.client.delete(key)
+        guarded.close()
+    return results
+
+
+def _redis_bytes_per_block(redis_url: str) -> float:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    key = "tc:{bench0000000000}:idx:bench000000000000"
+    try:
+        client.delete(key)
+        rng = np.random.default_rng(7)
+        now = time.time()
+        for start in range(0, INDEX_MEMBERS, 10_000):
+            count = min(10_000, INDEX_MEMBERS - start)
+            client.zadd(key, {rng.bytes(32): now + i for i in range(count)})
+        assert client.zcard(key) == INDEX_MEMBERS
+        return client.memory_usage(key, samples=0) / INDEX_MEMBERS
+    finally:
+        client.delete(key)
+        client.close()
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_probe(args: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a fresh process: a LocalTierCache with every tier, write-through, at
+    the given CPU capacity; how much memory the process holds beyond that capacity."""
+    import torch  # noqa: F401  (loaded before the baseline: a vLLM worker has it anyway)
+
+    from tiercache.config import build_config
+    from tiercache.engine import LocalTierCache, ObjectShape
+
+    baseline = _vm("VmRSS")
+    capacity, block_bytes, blocks = args["capacity"], args["block_bytes"], args["blocks"]
+    config = build_config(
+        {
+            "redis_url": args["redis_url"],
+            "cpu": {"capacity": capacity},
+            "disk": {"path": args["disk"], "capacity": 4 * blocks * (block_bytes + 8192)},
+            "s3": {"bucket": args["bucket"], "prefix": "rss/", "endpoint_url": args["s3_endpoint"]},
+        },
+        environ={},
+    )
+    shape = ObjectShape("a" * 16, "b" * 16, block_bytes)
+    cache = LocalTierCache(config, shape, pin_memory=False)
+    payload = np.random.default_rng(3).integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+    hashes = _hashes(blocks, 400)
+    for block_hash, row in zip(hashes, payload, strict=True):
+        while cache.put(block_hash, memoryview(row)) is None:
+            cache.engine.flush(5)
+    cache.engine.flush(60)
+    cache.slots.clear()  # every get now comes from disk, with promotion
+    for block_hash in hashes:
+        assert cache.get(block_hash) is not None
+    cache.engine.flush(60)
+    rss, peak = _vm("VmRSS"), _vm("VmHWM")
+    cache.close()
+    return {
+        "capacity": capacity,
+        "rss": rss,
+        "peak_rss": peak,
+        "baseline_rss": baseline,
+        "cpu_slots": cache.slots.num_slots,
+    }
+
+
+def _measure_rss(redis_url, s3_endpoint, bucket, block_bytes, blocks, workdir: Path) -> dict[str, Any]:
+    args = {
+        "capacity": RSS_CPU_CAPACITY,
+        "block_bytes": block_bytes,
+        "blocks": blocks,
+        "redis_url": redis_url,
+        "s3_endpoint": s3_endpoint,
+        "bucket": bucket,
+        "disk": str(workdir / "rss-disk"),
+    }
+    code = "import json, sys; from tiercache.bench import rss_probe; print(json.dumps(rss_probe(json.loads(sys.argv[1]))))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, timeout=600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"memory probe failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def _machine(workdir: Path, s3_server: str, redis_url: str) -> dict[str, Any]:
+    import redis
+    import torch
+
+    cpu_model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    mem_total = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        mem_total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal"))
+    fs = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        fs = subprocess.run(
+            ["df", "--output=fstype", str(workdir)], capture_output=True, text=True, timeout=10
+        ).stdout.split()[-1]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        redis_version = client.info("server").get("redis_version", "")
+    finally:
+        client.close()
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_total_bytes": mem_total,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "disk_dir_fs": fs,
+        "redis_server": redis_version,
+        "s3_server": s3_server,
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run_bench(
+    stack: str,
+    redis_url: str | None,
+    s3_endpoint: str | None,
+    bucket: str,
+    block_bytes: int,
+    blocks: int,
+    progress: bool,
+) -> dict[str, Any]:
+    if block_bytes < 4096 or blocks < 1:
+        raise ValueError("block_bytes must be at least 4096 and blocks at least 1")
+    logging.getLogger("tiercache").setLevel(logging.ERROR)
+    payload = np.random.default_rng(1).integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+    workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-"))
+    steps = 3 * (REPEATS + 1) + len(LOOKUP_SIZES) + 2
+    try:
+        with _servers(stack, redis_url, s3_endpoint, bucket) as (redis_at, s3_at, s3_server), _Progress(
+            progress, steps
+        ) as bar:
+            machine = _machine(workdir, s3_server, redis_at)
+            cpu = _bench_cpu(payload, bar)
+            disk = _bench_disk(payload, workdir / "disk", bar)
+            s3, concurrency = _bench_s3(payload, redis_at, s3_at, bucket, bar)
+            lookup = _bench_lookup(redis_at, bar)
+            per_block = _redis_bytes_per_block(redis_at)
+            bar.step("redis memory")
+            rss = _measure_rss(redis_at, s3_at, bucket, block_bytes, blocks, workdir)
+            bar.step("process memory")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    capacity = rss["capacity"]
+    return {
+        "tiers": {"cpu": cpu, "disk": disk, "s3": s3},
+        "lookup": lookup,
+        "memory": {
+            "redis_bytes_per_block": round(per_block, 1),
+            "rss_over_cpu_capacity": round((rss["rss"] - capacity) / capacity, 4),
+            "peak_rss_over_cpu_capacity": round((rss["peak_rss"] - capacity) / capacity, 4),
+            "cpu_capacity_bytes": capacity,
+            "rss_bytes": rss["rss"],
+            "rss_before_cache_bytes": rss["baseline_rss"],
+            "index_members": INDEX_MEMBERS,
+        },
+        "machine": machine,
+        "settings": {
+            "block_bytes": block_bytes,
+            "blocks": blocks,
+            "repeats": REPEATS,
+            "warmup_repeats": 1,
+            "s3_concurrency": concurrency,
+            "lookup_ranks": 1,
+            "lookup_samples": LOOKUP_SAMPLES,
+            "page_cache": "warm for both disk figures (not dropped)",
+        },
+    }
+
+
+def targets_missed(result: dict[str, Any]) -> list[str]:
+    missed = []
+    for tier, figures in result["tiers"].items():
+        for op in ("put", "get"):
+            if figures[f"{op}_ratio"] < TARGETS[tier]:
+                missed.append(f"{tier} {op} {figures[f'{op}_ratio']:.0%} of raw (< {TARGETS[tier]:.0%})")
+    for n, figures in result["lookup"].items():
+        if figures["round_trips"] != 1:
+            missed.append(f"lookup of {n} took {figures['round_trips']} round trips")
+    memory = result["memory"]
+    if memory["redis_bytes_per_block"] > MAX_REDIS_BYTES_PER_BLOCK:
+        missed.append(f"redis holds {memory['redis_bytes_per_block']} bytes per block")
+    if memory["rss_over_cpu_capacity"] > MAX_RSS_OVERHEAD:
+        missed.append(f"RSS is {memory['rss_over_cpu_capacity']:.1%} over the CPU capacity")
+    return missed
+
+
+def print_table(result: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="tier throughput (GB/s, medians)")
+    for column in ("tier", "put", "raw put", "put/raw", "get", "raw get", "get/raw", "target"):
+        table.add_column(column, justify="right" if column != "tier" else "left")
+    for tier, f in result["tiers"].items():
+        target = TARGETS[tier]
+
+        def ratio(value: float, target: float = target) -> str:
+            colour = "green" if value >= target else "red"
+            return f"[{colour}]{value:.0%}[/{colour}]"
+
+        table.add_row(
+            tier,
+            f"{f['put_gbps']:.3f}",
+            f"{f['raw_put_gbps']:.3f}",
+            ratio(f["put_ratio"]),
+            f"{f['get_gbps']:.3f}",
+            f"{f['raw_get_gbps']:.3f}",
+            ratio(f["get_ratio"]),
+            f">= {target:.0%}",
+        )
+    console.print(table)
+    lookups = Table(title="Redis prefix lookup (1 rank, all blocks present)")
+    for column in ("blocks", "p50 ms", "p99 ms", "round trips"):
+        lookups.add_column(column, justify="right")
+    for n, f in result["lookup"].items():
+        lookups.add_row(n, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", str(f["round_trips"]))
+    console.print(lookups)
+    memory = result["memory"]
+    console.print(
+        f"Redis bytes per indexed block: {memory['redis_bytes_per_block']:.1f} (target <= "
+        f"{MAX_REDIS_BYTES_PER_BLOCK}); RSS beyond a {memory['cpu_capacity_bytes'] / 2**30:.0f} GiB "
+        f"CPU tier: {memory['rss_over_cpu_capacity']:.1%} (target <= {MAX_RSS_OVERHEAD:.0%})"
+    )
+    machine = result["machine"]
+    console.print(
+        f"{machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_total_bytes'] / 2**30:.1f} GiB RAM, "
+        f"S3: {machine['s3_server']}"
+    )
+    missed = targets_missed(result)
+    if missed:
+        console.print("[red]missed: " + "; ".join(missed) + "[/red]")
+    else:
+        console.print("[green]every target met[/green]")

@@ -1,0 +1,125 @@
+"""Run prompts through one vLLM engine (the CPU build here, the GPU build where there is
+one) in a process of its own, and write what happened as JSON: time to first token,
+tokens served from caches, tiers hit, and the first step's top logprobs.
+
+Each call is a fresh engine process, which is what "a hit from disk after a restart"
+means. Used by the end-to-end tests, the demo and the benchmarks:
+
+    python -m tiercache.testing.vllm_runner SPEC.json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "TierCacheConnector",
+        "kv_connector_module_path": "tiercache.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        block_size=spec.get("block_size", 32),
+        max_model_len=spec.get("max_model_len", 4096),
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        enable_prefix_caching=spec.get("enable_prefix_caching", False),
+        enforce_eager=True,
+        disable_log_stats=True,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+    )
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - started
+    params = SamplingParams(
+        max_tokens=spec.get("max_tokens", 1),
+        temperature=0,
+        detokenize=False,
+        logprobs=spec.get("logprobs", 5),
+    )
+    results = []
+    for prompt in spec["prompts"]:
+        for _ in range(prompt.get("repeat", 1)):
+            began = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt["ids"])], params, use_tqdm=False)[0]
+            elapsed = time.perf_counter() - began
+            completion = out.outputs[0]
+            first = completion.logprobs[0] if completion.logprobs else {}
+            results.append(
+                {
+                    "name": prompt.get("name", ""),
+                    "prompt_tokens": len(prompt["ids"]),
+                    "seconds": elapsed,
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                    "token_ids": list(completion.token_ids),
+                    "top_logprobs": {str(tok): lp.logprob for tok, lp in first.items()},
+                }
+            )
+    # Shut the engine down so each worker's connector flushes its queued writes
+    # (bounded by movers.shutdown_flush_seconds) before the process ends.
+    llm.llm_engine.engine_core.shutdown()
+    return {"startup_seconds": startup, "results": results}
+
+
+def run_engine(
+    spec: dict[str, Any], workdir: Path, env: dict[str, str] | None = None, timeout: float = 900
+) -> dict[str, Any]:
+    """Run `spec` in a fresh process and return its results (raises with the log on failure)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{os.getpid()}-{time.monotonic_ns()}"
+    spec_file, out_file, log_file = (workdir / f"{stamp}.{s}" for s in ("spec.json", "out.json", "log"))
+    spec_file.write_text(json.dumps(spec))
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("PYTHONHASHSEED", "0")
+    if spec.get("tensor_parallel_size", 1) > 1:
+        child_env.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(spec["tensor_parallel_size"]))
+        )
+    with open(log_file, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tiercache.testing.vllm_runner", str(spec_file), str(out_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            timeout=timeout,
+        )
+    if proc.returncode != 0 or not out_file.exists():
+        tail = log_file.read_text()[-6000:]
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); log {log_file}:\n{tail}")
+    result = json.loads(out_file.read_text())
+    result["log"] = str(log_file)
+    return result
+
+
+def main() -> None:
+    spec_file, out_file = sys.argv[1], sys.argv[2]
+    spec = json.loads(Path(spec_file).read_text())
+    result = _run(spec)
+    Path(out_file).write_text(json.dumps(result))
+    # vLLM's engine teardown can hang on these machines; the results are written.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
