@@ -110,6 +110,21 @@ def test_gc_prints_its_report(setup):
     assert report["orphans"]["scanned"] == 3
 
 
+def test_gc_and_stats_exit_3_when_redis_is_unreachable(tmp_path, s3_endpoint, bucket):
+    path = tmp_path / "dead.yaml"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    path.write_text(
+        yaml.safe_dump(
+            {"namespace": "cli-ns", "redis_url": dead, "s3": {"bucket": bucket, "endpoint_url": s3_endpoint}}
+        )
+    )
+    result = run("gc", "--config", str(path))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert any("redis" in problem for problem in json.loads(result.stdout)["errors"])
+    stats = run("stats", "--config", str(path), "--json")
+    assert stats.returncode == 3 and json.loads(stats.stdout)["errors"]
+
+
 def test_inspect_an_object_file(setup, tmp_path):
     _, config, shape, hashes = setup
     key = shape.key(hashes[0])

@@ -143,12 +143,15 @@ def stats(
     config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Objects and bytes per namespace and tier, from Redis and the disk tier."""
+    """Objects and bytes per namespace and tier, from Redis and the disk tier.
+    Exit 3 if Redis or S3 could not be read."""
     from tiercache.service import collect_stats
 
     data = collect_stats(_load(config))
     if as_json:
         print(json.dumps(data, indent=2))
+        if data.get("errors"):
+            raise typer.Exit(EXIT_UNAVAILABLE)
         return
     from rich.table import Table
 
@@ -156,6 +159,10 @@ def stats(
     for row in data["rows"]:
         table.add_row(row["namespace"], row["model"], row["tier"], str(row["objects"]), str(row["bytes"]))
     console.print(table)
+    for problem in data.get("errors", ()):
+        err.print(f"[yellow]{problem}[/yellow]")
+    if data.get("errors"):
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 @app.command()
@@ -164,11 +171,14 @@ def gc(
     sweep_orphans: bool = typer.Option(True, help="Also delete S3 objects with no index entry."),
 ) -> None:
     """One pass of the S3 garbage collector: keep each namespace under s3.capacity by
-    last access, never touching an object under a live read lease."""
+    last access, never touching an object under a live read lease. Exit 3 if Redis or
+    S3 could not be reached."""
     from tiercache.gc import run_gc
 
     report = run_gc(_load(config), sweep_orphans=sweep_orphans)
     console.print_json(data=report)
+    if report.get("errors"):
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 @app.command()
