@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from tiercache.tiers.cpu import CpuBuffer
 
 _ALIGN = 64  # keeps every layer's region aligned for any dtype view

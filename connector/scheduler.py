@@ -12,15 +12,14 @@ import os
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk import SUFFIX
-
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape
 from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
 from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
+from tiercache.tiers.disk import SUFFIX
 
 from .metadata import (
     FAILURES,

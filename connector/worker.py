@@ -12,11 +12,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.keys import KVSpec
+from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
 from .metadata import (

@@ -98,7 +98,10 @@ def test_the_contract_keys(tmp_path):
         ({"redis_url": "redis://h", "s3": {"bucket": "Bad_Bucket"}}, "s3.bucket: "),
         ({"redis_url": "redis://h", "s3": {"bucket": "kv", "prefix": "/abs"}}, "s3.prefix: "),
         ({"redis_url": "redis://h", "s3": {"bucket": "kv", "prefix": "a/../b"}}, "s3.prefix: "),
-        ({"redis_url": "redis://h", "s3": {"bucket": "kv", "endpoint_url": "minio:9000"}}, "s3.endpoint_url: "),
+        (
+            {"redis_url": "redis://h", "s3": {"bucket": "kv", "endpoint_url": "minio:9000"}},
+            "s3.endpoint_url: ",
+        ),
         ({"redis_url": "redis://h", "s3": {"bucket": "kv", "max_concurrency": 0}}, "s3.max_concurrency: "),
         ({"movers": {"policy": "write_around"}}, "movers.policy: "),
         ({"movers": {"queue_depth": 0}}, "movers.queue_depth: "),

@@ -10,15 +10,15 @@ import uuid
 
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY
-
 import tiercache.tiers.disk as disk_module
+from prometheus_client import REGISTRY
+from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.disk import TMP_PREFIX
+
 from tiercache.config import build_config
 from tiercache.engine import CPU, DISK, S3, LocalTierCache, ObjectShape, TierEngine
 from tiercache.index import RedisIndex
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import TMP_PREFIX
 
 BLOCK = 64 * 1024
 
@@ -110,9 +110,12 @@ def test_write_through_reaches_every_tier(stack):
     assert set(cache.engine.disk.keys()) == keys
     assert s3_keys(cache) == keys
     assert indexed(cache) == 3
-    assert cache.engine.index.longest_prefix(
-        cache.shape.model_digest, [cache.shape.rank_digest], [block(i) for i in range(3)]
-    ) == 3
+    assert (
+        cache.engine.index.longest_prefix(
+            cache.shape.model_digest, [cache.shape.rank_digest], [block(i) for i in range(3)]
+        )
+        == 3
+    )
     assert all(got(cache, i) == CPU for i in range(3))
 
 
@@ -350,9 +353,12 @@ def test_redis_down_local_tiers_keep_working(tmp_path, redis_server, s3_endpoint
                 time.sleep(0.05)
         put_flushed(cache, 5)
         assert cache.engine.s3.exists(cache.shape.key(block(5)))
-        assert RedisIndex(GuardedRedis(redis_server.url, config.redis)).count(
-            cache.shape.model_digest, cache.shape.rank_digest
-        ) == 1
+        assert (
+            RedisIndex(GuardedRedis(redis_server.url, config.redis)).count(
+                cache.shape.model_digest, cache.shape.rank_digest
+            )
+            == 1
+        )
     finally:
         cache.close()
 
@@ -374,7 +380,9 @@ def test_engine_over_a_bare_buffer(tmp_path):
     shape = new_shape()
     buffer = CpuBuffer(2, BLOCK, pin_memory=False)
     removed: list[str] = []
-    engine = TierEngine(config, shape, buffer, disk_capacity=3 * (BLOCK + 4096), on_disk_remove=removed.append)
+    engine = TierEngine(
+        config, shape, buffer, disk_capacity=3 * (BLOCK + 4096), on_disk_remove=removed.append
+    )
     try:
         results: list = []
         for i in range(4):

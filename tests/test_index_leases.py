@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 from prometheus_client import REGISTRY
+from tiercache.tiers.cpu import CpuBuffer
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
@@ -21,7 +22,6 @@ from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.keys import KVSpec
 from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.tiers.cpu import CpuBuffer
 
 BLOCK = 64 * 1024
 
@@ -132,7 +132,9 @@ def test_lookup_across_chunk_boundaries(guarded):
     blocks = hashes(2600, seed=7)
     add_all(index, model, rank, blocks)
     for present in (2600, 2001, 2000, 1999, 1001, 1000, 999, 1, 0):
-        assert index.longest_prefix(model, [rank], blocks[:present] + [b"missing"] + blocks[present:]) == present
+        assert (
+            index.longest_prefix(model, [rank], blocks[:present] + [b"missing"] + blocks[present:]) == present
+        )
     assert index.longest_prefix(model, [rank], []) == 0
 
 
@@ -453,9 +455,7 @@ def test_redis_down_is_a_fast_miss_then_recovers(redis_server):
 
 def test_password_and_acl_user(redis_server):
     admin = redis.Redis(port=redis_server.port)
-    admin.acl_setuser(
-        "tiercache", enabled=True, passwords=["+user-pw"], keys=["tc:*"], categories=["+@all"]
-    )
+    admin.acl_setuser("tiercache", enabled=True, passwords=["+user-pw"], keys=["tc:*"], categories=["+@all"])
     admin.config_set("requirepass", "default-pw")
     base = f"127.0.0.1:{redis_server.port}/0"
     model, rank = digest(), digest()

@@ -2,17 +2,19 @@
 in the same run on the same bytes, the Redis prefix lookup, and memory.
 
 Baselines:
-  cpu   one numpy memcpy of all the blocks' bytes (source and destination pre-faulted)
+  cpu   one numpy memcpy per block of the same bytes into pre-faulted memory (a
+        single memcpy of all blocks at once is reported too, as raw_one_memcpy_*)
   disk  plain open()/write() and open()/readinto() of files of the same sizes in the
-        same directory (both warm in the page cache: nothing drops it)
+        same directories (both warm in the page cache: nothing drops it)
   s3    plain boto3 put_object/get_object of the same payloads, same client settings,
         same concurrency (s3.max_concurrency threads)
 
-The tier side runs the code the engine runs: slot allocation and copies for cpu;
+The tier side runs the code the engine runs: slot bookkeeping and copies for cpu;
 header + checksum + temp file + rename, and verified reads into CPU slots, for disk;
 write lease + PUT + index publish, and read lease + verified GET into CPU slots, for
-s3. Tier and baseline alternate within each repeat; figures are medians over the
-repeats, the warm-up repeat excluded.
+s3. For cpu and disk, tier and baseline alternate block by block (which goes first
+alternates too), so both see the same machine; for s3 they alternate batch by batch.
+Figures are medians over the repeats, the warm-up repeat excluded.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-REPEATS = 5  # measured, after one warm-up
+REPEATS = 9  # measured, after one warm-up
 LOOKUP_SIZES = (32, 256, 2048)
 LOOKUP_SAMPLES = 200
 INDEX_MEMBERS = 100_000
@@ -120,19 +122,43 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 class _Pair:
-    """Times of a tier operation and its baseline, alternated within each repeat."""
+    """Times of a tier operation and its baseline over the repeats."""
 
     def __init__(self) -> None:
         self.tier: list[float] = []
         self.raw: list[float] = []
 
-    def add(self, repeat: int, tier: Callable[[], Any], raw: Callable[[], Any]) -> None:
-        first, second = (tier, raw) if repeat % 2 == 0 else (raw, tier)
-        a, b = _timed(first), _timed(second)
-        tier_s, raw_s = (a, b) if repeat % 2 == 0 else (b, a)
+    def record(self, repeat: int, tier_s: float, raw_s: float) -> None:
         if repeat > 0:  # repeat 0 is the warm-up
             self.tier.append(tier_s)
             self.raw.append(raw_s)
+
+    def add(self, repeat: int, tier: Callable[[], Any], raw: Callable[[], Any]) -> None:
+        """Time two batches, alternating which goes first."""
+        first, second = (tier, raw) if repeat % 2 == 0 else (raw, tier)
+        a, b = _timed(first), _timed(second)
+        self.record(repeat, *((a, b) if repeat % 2 == 0 else (b, a)))
+
+    def add_interleaved(
+        self, repeat: int, n: int, tier: Callable[[int], Any], raw: Callable[[int], Any]
+    ) -> None:
+        """Time block by block: tier and raw on block i back to back, in turns first."""
+        tier_s = raw_s = 0.0
+        clock = time.perf_counter
+        for i in range(n):
+            if i % 2 == 0:
+                start = clock()
+                tier(i)
+                middle = clock()
+                raw(i)
+                tier_s, raw_s = tier_s + middle - start, raw_s + clock() - middle
+            else:
+                start = clock()
+                raw(i)
+                middle = clock()
+                tier(i)
+                raw_s, tier_s = raw_s + middle - start, tier_s + clock() - middle
+        self.record(repeat, tier_s, raw_s)
 
     def gbps(self, nbytes: int) -> tuple[float, float]:
         return _gbps(nbytes, statistics.median(self.tier)), _gbps(nbytes, statistics.median(self.raw))
@@ -192,32 +218,39 @@ def _bench_cpu(payload: np.ndarray, progress: _Progress) -> dict[str, float]:
     config = build_config({"cpu": {"capacity": blocks * block_bytes}}, environ={})
     shape = ObjectShape("c" * 16, "c" * 16, block_bytes)
     cache = LocalTierCache(config, shape, pin_memory=False)
-    raw_dst = np.zeros_like(payload)  # pre-faulted, as the cache's buffer is
-    out = np.zeros_like(payload)  # where a get copies to (vLLM's paged KV)
     source = cache.buffer.tensor.numpy()
+    # Pre-faulted destinations, as the cache's buffer is: the baseline's, and where a
+    # get copies to (vLLM's paged KV), one each so neither finds the other's lines.
+    raw_dst, out, raw_out = (np.ones_like(payload) for _ in range(3))
     rows = [memoryview(row) for row in payload]
     outs = [memoryview(row) for row in out]
-    put, get = _Pair(), _Pair()
+    put, get, one_put, one_get = _Pair(), _Pair(), _Pair(), _Pair()
     try:
         for repeat in range(REPEATS + 1):
             hashes = _hashes(blocks, repeat)
             cache.slots.clear()
+            slot_of: list[int] = [0] * blocks
 
-            def tier_put(hashes=hashes) -> None:
-                for block_hash, row in zip(hashes, rows, strict=True):
-                    cache.put(block_hash, row)
+            def tier_put(i: int, hashes=hashes, slot_of=slot_of) -> None:
+                slot_of[i] = cache.put(hashes[i], rows[i])
 
-            def tier_get(hashes=hashes) -> None:
-                for block_hash, dst in zip(hashes, outs, strict=True):
-                    _, view = cache.get(block_hash)
-                    dst[:] = view
+            def tier_get(i: int, hashes=hashes) -> None:
+                _, view = cache.get(hashes[i])
+                outs[i][:] = view
 
-            put.add(repeat, tier_put, lambda: np.copyto(raw_dst, payload))
-            get.add(repeat, tier_get, lambda: np.copyto(out, source))
+            put.add_interleaved(repeat, blocks, tier_put, lambda i: np.copyto(raw_dst[i], payload[i]))
+            get.add_interleaved(
+                repeat, blocks, tier_get, lambda i, s=slot_of: np.copyto(raw_out[i], source[s[i]])
+            )
+            one_put.add(repeat, lambda: None, lambda: np.copyto(raw_dst, payload))
+            one_get.add(repeat, lambda: None, lambda: np.copyto(raw_out, source))
             progress.step("cpu")
     finally:
         cache.close()
-    return _tier_figures(put, get, payload.nbytes)
+    figures = _tier_figures(put, get, payload.nbytes)
+    figures["raw_one_memcpy_put_gbps"] = round(one_put.gbps(payload.nbytes)[1], 4)
+    figures["raw_one_memcpy_get_gbps"] = round(one_get.gbps(payload.nbytes)[1], 4)
+    return figures
 
 
 def _bench_disk(payload: np.ndarray, root: Path, progress: _Progress) -> dict[str, float]:
@@ -228,42 +261,40 @@ def _bench_disk(payload: np.ndarray, root: Path, progress: _Progress) -> dict[st
     blocks, block_bytes = payload.shape
     shape = ObjectShape("d" * 16, "d" * 16, block_bytes)
     tier = DiskTier(root, 2 * (REPEATS + 1) * blocks * shape.object_bytes)
+    for prefix in range(256):  # the folders a long-running tier has: neither side pays mkdir
+        (root / shape.rank_digest / f"{prefix:02x}").mkdir(parents=True, exist_ok=True)
     buffer = CpuBuffer(blocks, block_bytes, pin_memory=False)  # gets land in CPU slots
     slots = [buffer.view(i) for i in range(blocks)]
     rows = [memoryview(row) for row in payload]
-    file_bytes = shape.object_bytes
-    raw_in = bytearray(file_bytes)
+    preamble_bytes = shape.object_bytes - block_bytes
+    raw_in = bytearray(shape.object_bytes)
     put, get = _Pair(), _Pair()
     for repeat in range(REPEATS + 1):
         hashes = _hashes(blocks, 100 + repeat)
         keys = [shape.key(h) for h in hashes]
-        raw_paths = [tier.path_of(k).with_name("raw-" + tier.path_of(k).name) for k in keys]
+        paths = [tier.path_of(k) for k in keys]
+        raw_paths = [p.with_name("raw-" + p.name) for p in paths]
 
-        def tier_put(hashes=hashes, keys=keys) -> None:
-            for block_hash, key, row in zip(hashes, keys, rows, strict=True):
-                if not tier.put(key, row, shape.header(block_hash, row)):
-                    raise RuntimeError(f"disk tier refused {key}")
+        def tier_put(i: int, hashes=hashes, keys=keys) -> None:
+            if not tier.put(keys[i], rows[i], shape.header(hashes[i], rows[i])):
+                raise RuntimeError(f"disk tier refused {keys[i]}")
 
-        def raw_put(hashes=hashes, raw_paths=raw_paths) -> None:
-            # The same bytes as the tier writes: a preamble of the same size, then the pages.
-            for block_hash, path, row in zip(hashes, raw_paths, rows, strict=True):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(bytes(file_bytes - block_bytes))
-                    f.write(row)
+        def raw_put(i: int, raw_paths=raw_paths) -> None:
+            # A file of the same size as the tier's object: a preamble, then the pages.
+            with open(raw_paths[i], "wb") as f:
+                f.write(bytes(preamble_bytes))
+                f.write(rows[i])
 
-        def tier_get(keys=keys) -> None:
-            for key, slot in zip(keys, slots, strict=True):
-                if not tier.get_into(key, slot):
-                    raise RuntimeError(f"disk tier lost {key}")
+        def tier_get(i: int, keys=keys) -> None:
+            if not tier.get_into(keys[i], slots[i]):
+                raise RuntimeError(f"disk tier lost {keys[i]}")
 
-        def raw_get(keys=keys) -> None:
-            for key in keys:  # the very files the tier wrote, read whole
-                with open(tier.path_of(key), "rb", buffering=0) as f:
-                    f.readinto(raw_in)
+        def raw_get(i: int, paths=paths) -> None:
+            with open(paths[i], "rb", buffering=0) as f:  # the very file the tier wrote
+                f.readinto(raw_in)
 
-        put.add(repeat, tier_put, raw_put)
-        get.add(repeat, tier_get, raw_get)
+        put.add_interleaved(repeat, blocks, tier_put, raw_put)
+        get.add_interleaved(repeat, blocks, tier_get, raw_get)
         for key, path in zip(keys, raw_paths, strict=True):
             tier.delete(key)
             path.unlink()
@@ -479,7 +510,10 @@ def _measure_rss(redis_url, s3_endpoint, bucket, block_bytes, blocks, workdir: P
         "bucket": bucket,
         "disk": str(workdir / "rss-disk"),
     }
-    code = "import json, sys; from tiercache.bench import rss_probe; print(json.dumps(rss_probe(json.loads(sys.argv[1]))))"
+    code = (
+        "import json, sys; from tiercache.bench import rss_probe; "
+        "print(json.dumps(rss_probe(json.loads(sys.argv[1]))))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, timeout=600
     )
@@ -497,7 +531,8 @@ def _machine(workdir: Path, s3_server: str, redis_url: str) -> dict[str, Any]:
 
     cpu_model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+        names = (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+        cpu_model = next(names, "")
     mem_total = 0
     with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
         mem_total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal"))
@@ -541,9 +576,10 @@ def run_bench(
     workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-"))
     steps = 3 * (REPEATS + 1) + len(LOOKUP_SIZES) + 2
     try:
-        with _servers(stack, redis_url, s3_endpoint, bucket) as (redis_at, s3_at, s3_server), _Progress(
-            progress, steps
-        ) as bar:
+        with (
+            _servers(stack, redis_url, s3_endpoint, bucket) as (redis_at, s3_at, s3_server),
+            _Progress(progress, steps) as bar,
+        ):
             machine = _machine(workdir, s3_server, redis_at)
             cpu = _bench_cpu(payload, bar)
             disk = _bench_disk(payload, workdir / "disk", bar)
@@ -637,8 +673,8 @@ def print_table(result: dict[str, Any], console) -> None:
     )
     machine = result["machine"]
     console.print(
-        f"{machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_total_bytes'] / 2**30:.1f} GiB RAM, "
-        f"S3: {machine['s3_server']}"
+        f"{machine['nproc']} CPUs ({machine['cpu_model']}), "
+        f"{machine['mem_total_bytes'] / 2**30:.1f} GiB RAM, S3: {machine['s3_server']}"
     )
     missed = targets_missed(result)
     if missed:

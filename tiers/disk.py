@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from tiercache.keys import split_key
+from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
 from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
@@ -25,9 +27,6 @@ from tiercache.tiers.format import (
     header_length,
     verify,
 )
-
-from tiercache.keys import split_key
-from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
 
 log = logging.getLogger(__name__)
 TIER = "disk"

@@ -10,6 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
+
+from tiercache.config import S3TierConfig
+from tiercache.keys import split_key
+from tiercache.metrics import TIER_ERRORS, timed
 from tiercache.tiers.format import (
     CorruptObject,
     ObjectHeader,
@@ -18,10 +22,6 @@ from tiercache.tiers.format import (
     header_length,
     verify,
 )
-
-from tiercache.config import S3TierConfig
-from tiercache.keys import split_key
-from tiercache.metrics import TIER_ERRORS, timed
 
 log = logging.getLogger(__name__)
 TIER = "s3"

@@ -3,6 +3,7 @@ moto's threaded S3 server (a real HTTP endpoint)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -99,6 +100,9 @@ def start_moto(port: int | None = None) -> S3Endpoint:
     """moto's threaded S3 server on loopback. Sets dummy credentials for the process
     if none are set (moto accepts any)."""
     from moto.server import ThreadedMotoServer
+
+    # One log line per request drowns the demo's and the tests' output.
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")

@@ -1,0 +1,204 @@
+"""The connector's parts without a vLLM engine: the copier on several KV layouts (the
+CPU twin of the CUDA path), and the scheduler's planning and event bookkeeping with
+stand-in requests and scheduler outputs."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tiercache.config import build_config
+from tiercache.connector.copier import PagedKVCopier, runs
+from tiercache.connector.metadata import (
+    FILL_FAILED,
+    FILLED,
+    ON_DISK,
+    RELEASED,
+    TierCacheWorkerMetadata,
+)
+from tiercache.connector.scheduler import TierCacheScheduler
+from tiercache.keys import KVSpec
+from tiercache.tiers.cpu import CpuBuffer
+
+NUM_BLOCKS = 12
+LAYOUTS = {
+    "cpu LBHNC [blocks, heads, block_size, 2*head]": lambda: torch.randn(NUM_BLOCKS, 2, 32, 16),
+    "flash-attn [2, blocks, block_size, heads, head]": lambda: torch.randn(2, NUM_BLOCKS, 32, 2, 8),
+    "flashinfer [blocks, 2, block_size, heads, head]": lambda: torch.randn(NUM_BLOCKS, 2, 32, 2, 8),
+    "mla [blocks, block_size, latent]": lambda: torch.randn(NUM_BLOCKS, 32, 24),
+}
+
+
+def test_runs_group_consecutive_blocks_and_slots():
+    assert runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert runs([1, 2], [5, 3]) == [(1, 5, 1), (2, 3, 1)]
+    assert runs([], []) == []
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_copier_round_trip_on_each_layout(layout):
+    torch.manual_seed(0)
+    kv = {f"model.layers.{i}.attn": LAYOUTS[layout]() for i in range(3)}
+    original = {name: t.clone() for name, t in kv.items()}
+    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    buffer = CpuBuffer(8, copier.slot_bytes, pin_memory=False)
+    blocks, slots = [3, 4, 5, 9, 0], [6, 7, 0, 1, 3]
+    copier.to_slots(blocks, slots, buffer)
+    for tensor in kv.values():  # wipe the paged KV, then restore it from the slots
+        tensor.zero_()
+    copier.from_slots(slots, [1, 2, 3, 10, 11], buffer)
+    for name, tensor in kv.items():
+        dim = next(d for d, s in enumerate(tensor.shape) if s == NUM_BLOCKS)
+        got, want = tensor.movedim(dim, 0), original[name].movedim(dim, 0)
+        for src, dst in zip(blocks, [1, 2, 3, 10, 11], strict=True):
+            assert torch.equal(got[dst], want[src]), (name, src, dst)
+        assert not got[4].any()  # untouched blocks stay as they were
+
+
+def test_copier_refuses_tensors_without_a_block_dimension():
+    with pytest.raises(ValueError, match="block count"):
+        PagedKVCopier({"l0": torch.zeros(5, 7)}, NUM_BLOCKS)
+
+
+BLOCK = 32
+PAGE = 4096
+
+
+def spec(rank: int, tp: int) -> KVSpec:
+    return KVSpec(
+        "m", "", "float32", "auto", BLOCK, "cpu::FullAttentionSpec", 2, 2, 16, tp, rank, "t", 2 * PAGE
+    )
+
+
+def kv_cache_config():
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE), layer_names=["a", "b"])
+    return SimpleNamespace(kv_cache_groups=[group], num_blocks=64)
+
+
+def make_scheduler(tp: int = 1, capacity_slots: int = 8, **config) -> TierCacheScheduler:
+    cfg = build_config({"cpu": {"capacity": capacity_slots * 2 * PAGE}, **config})
+    return TierCacheScheduler(cfg, [spec(r, tp) for r in range(tp)], kv_cache_config(), worker_count=tp)
+
+
+def request(req_id: str, n_blocks: int, extra_tokens: int = 1):
+    tokens = n_blocks * BLOCK + extra_tokens
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=[bytes([i]) * 32 for i in range(tokens // BLOCK)],
+        num_tokens=tokens,
+        num_prompt_tokens=tokens,
+    )
+
+
+def output(new=(), cached=None, scheduled=None):
+    cached = cached or SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {}
+    )
+
+
+def blocks_of(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def report(sched, *events, hits=()):
+    meta = TierCacheWorkerMetadata(Counter(events), Counter(hits))
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
+
+
+def store_prompt(sched, req, gpu_ids):
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, blocks_of(gpu_ids), 0)
+    new = SimpleNamespace(req_id=req.request_id, block_ids=(list(gpu_ids),), num_computed_tokens=0)
+    return sched.build_connector_meta(output([new], scheduled={req.request_id: req.num_tokens}))
+
+
+def test_a_block_counts_as_cached_only_after_every_rank_filled_it():
+    sched = make_scheduler(tp=2)
+    req = request("r1", 3)
+    meta = store_prompt(sched, req, [10, 11, 12, 13])
+    assert [op.gpu_block for op in meta.stores] == [10, 11, 12]
+    first = meta.stores[0]
+    report(sched, (FILLED, first.block_hash))  # rank 0 only
+    assert sched.get_num_new_matched_tokens(request("r2", 3), 0) == (0, False)
+    report(sched, (FILLED, first.block_hash))  # rank 1
+    assert sched.get_num_new_matched_tokens(request("r3", 3), 0) == (BLOCK, False)
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute():
+    sched = make_scheduler()
+    req = request("r1", 3, extra_tokens=0)  # exactly three full blocks
+    meta = store_prompt(sched, req, [1, 2, 3])
+    report(sched, *[(FILLED, op.block_hash) for op in meta.stores])
+    again = request("r2", 3, extra_tokens=0)
+    assert sched.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, False)
+
+
+def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
+    sched = make_scheduler()
+    meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
+    report(
+        sched, *[(FILLED, op.block_hash) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores]
+    )
+    hit = request("r2", 2)
+    assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
+    sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
+    load_meta = sched.build_connector_meta(output())
+    (job,) = load_meta.loads
+    assert not job.is_async and [op.gpu_block for op in job.ops] == [20, 21]
+    assert [op.tier for op in job.ops] == ["cpu", "cpu"]
+    # Pinned: a flood of new stores cannot take these slots until they are released.
+    assert all(sched.slots._pins.get(op.slot) for op in job.ops)
+    report(sched, *[(RELEASED, op.slot) for op in job.ops])
+    assert not any(sched.slots._pins.get(op.slot) for op in job.ops)
+
+
+def test_disk_hit_is_async_and_failed_fill_is_forgotten():
+    sched = make_scheduler(disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
+    hashes = [op.block_hash for op in meta.stores]
+    report(sched, *[(ON_DISK, h) for h in hashes], *[(RELEASED, op.slot) for op in meta.stores])
+    sched.slots.clear()  # as if the CPU tier had evicted them
+    hit = request("r2", 2)
+    assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, True)
+    sched.update_state_after_alloc(hit, blocks_of([30, 31, 32]), 2 * BLOCK)
+    (job,) = sched.build_connector_meta(output()).loads
+    assert job.is_async and [op.tier for op in job.ops] == ["disk", "disk"]
+    report(sched, (FILL_FAILED, hashes[0]), (FILLED, hashes[1]))
+    assert hashes[0] not in sched.slots and hashes[1] in sched.ready
+
+
+def test_preempted_request_resumes_with_new_block_ids():
+    sched = make_scheduler()
+    req = request("r1", 4)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks_of([1, 2, 3, 4, 5]), 0)
+    new = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    first = sched.build_connector_meta(output([new], scheduled={"r1": 2 * BLOCK}))  # chunked prefill
+    assert [op.gpu_block for op in first.stores] == [1, 2]
+    # Preempted, then resumed with other blocks: the rest is stored from the new ones.
+    cached = SimpleNamespace(
+        req_ids=["r1"],
+        resumed_req_ids={"r1"},
+        new_block_ids=[([7, 8, 9, 10, 11],)],
+        num_computed_tokens=[2 * BLOCK],
+    )
+    second = sched.build_connector_meta(output(cached=cached, scheduled={"r1": 2 * BLOCK + 1}))
+    assert [op.gpu_block for op in second.stores] == [9, 10]
+
+
+def test_write_back_demotes_the_victim_of_an_eviction():
+    sched = make_scheduler(capacity_slots=2, movers={"policy": "write_back"})
+    meta = store_prompt(sched, request("r1", 2), [1, 2, 3])
+    report(
+        sched, *[(FILLED, op.block_hash) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores]
+    )
+    other = request("r2", 1)
+    other.block_hashes = [b"\xee" * 32, b"\xef" * 32]
+    meta2 = store_prompt(sched, other, [8, 9])
+    assert meta2.write_backs and meta2.write_backs[0][0] == meta.stores[0].block_hash
