@@ -51,7 +51,7 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
 
 
 class PagedKVCopier:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int):
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, staged: bool | None = None):
         if not kv_caches:
             raise ValueError("no KV cache tensors were registered")
         self.num_blocks = num_blocks
@@ -71,6 +71,11 @@ class PagedKVCopier:
         self.dtype = first.dtype
         self.on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        # Staged copies gather a run of blocks (all layers) into one device buffer laid
+        # out like the slots, so the host side of the transfer is a single contiguous
+        # DMA into page-locked memory. Direct copies suit the CPU backend, where the
+        # "device" is host memory already. The staged path runs on CPU too, as its twin.
+        self.staged = self.on_cuda if staged is None else staged
 
     def describe(self) -> tuple[str, str, str]:
         """(layout, dtype, shapes) for object headers: enough to tell what the bytes are."""
@@ -105,6 +110,9 @@ class PagedKVCopier:
         done.synchronize()
 
     def _copy_spans(self, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool) -> None:
+        if self.staged:
+            self._copy_spans_staged(spans, buffer, out_of_kv, non_blocking)
+            return
         for region in self.regions:
             slots_view = self._slot_view(buffer, region)
             for block, slot, n in spans:
@@ -114,3 +122,26 @@ class PagedKVCopier:
                     host.copy_(kv, non_blocking=non_blocking)
                 else:
                     kv.copy_(host, non_blocking=non_blocking)
+
+    def _copy_spans_staged(self, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool) -> None:
+        longest = max(n for _, _, n in spans)
+        staging = torch.empty((longest, self.slot_bytes), dtype=torch.uint8, device=self.device)
+        for block, slot, n in spans:
+            host = buffer.tensor[slot : slot + n]  # n whole slots: contiguous
+            stage = staging[:n]
+            if out_of_kv:
+                for region in self.regions:
+                    self._stage_view(stage, region, n).copy_(region.blocks[block : block + n])
+                host.copy_(stage, non_blocking=non_blocking)
+            else:
+                stage.copy_(host, non_blocking=non_blocking)
+                for region in self.regions:
+                    region.blocks[block : block + n].copy_(self._stage_view(stage, region, n))
+            if non_blocking and len(spans) > 1:
+                # The next run reuses the staging buffer: wait for this one's transfer.
+                torch.cuda.current_stream(self.device).synchronize()
+
+    @staticmethod
+    def _stage_view(stage: torch.Tensor, region: LayerRegion, n: int) -> torch.Tensor:
+        raw = stage[:, region.offset : region.offset + region.nbytes]
+        return raw.view(region.blocks.dtype).view(n, *region.blocks.shape[1:])

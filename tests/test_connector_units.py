@@ -38,12 +38,13 @@ def test_runs_group_consecutive_blocks_and_slots():
     assert runs([], []) == []
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct (CPU backend)", "staged (CUDA path's twin)"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_copier_round_trip_on_each_layout(layout):
+def test_copier_round_trip_on_each_layout(layout, staged):
     torch.manual_seed(0)
     kv = {f"model.layers.{i}.attn": LAYOUTS[layout]() for i in range(3)}
     original = {name: t.clone() for name, t in kv.items()}
-    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    copier = PagedKVCopier(kv, NUM_BLOCKS, staged=staged)
     buffer = CpuBuffer(8, copier.slot_bytes, pin_memory=False)
     blocks, slots = [3, 4, 5, 9, 0], [6, 7, 0, 1, 3]
     copier.to_slots(blocks, slots, buffer)

@@ -209,3 +209,25 @@ def test_tensor_parallel_2_each_rank_stores_and_loads_its_own_shard(model, workd
     restart_hit = fresh["results"][0]
     assert restart_hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(restart_hit, tp2_reference)
+
+
+def test_inside_multiconnector_beside_another_connector(model, workdir, reference):
+    ours = connector_config({"namespace": "multi"})
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
+    }
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [ours, example]},
+    }
+    out = run_engine(
+        {"model": model, "kv_transfer_config": multi, "prompts": prompts(("p1", P1), ("p1", P1))},
+        workdir / "runs",
+    )
+    cold, hit = out["results"]
+    assert (cold["num_cached_tokens"], hit["num_cached_tokens"]) == (0, 9 * BLOCK)
+    assert_same_output(hit, reference["p1"])

@@ -41,7 +41,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         enforce_eager=True,
-        disable_log_stats=True,
+        # log_stats: vLLM records per-request timestamps (first token, last token),
+        # returned as "metrics" below; the benchmarks use them for decode rates.
+        disable_log_stats=not spec.get("log_stats", False),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
     )
     if spec.get("tensor_parallel_size", 1) > 1:
@@ -51,14 +53,19 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - started
-    params = SamplingParams(
-        max_tokens=spec.get("max_tokens", 1),
-        temperature=0,
-        detokenize=False,
-        logprobs=spec.get("logprobs", 5),
-    )
+    def sampling(max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            detokenize=False,
+            logprobs=spec.get("logprobs", 5),
+        )
+
+    default_params = sampling(spec.get("max_tokens", 1))
     results = []
     for prompt in spec["prompts"]:
+        # A prompt may set its own max_tokens (decode-rate runs among TTFT runs).
+        params = sampling(prompt["max_tokens"]) if "max_tokens" in prompt else default_params
         for _ in range(prompt.get("repeat", 1)):
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt["ids"])], params, use_tqdm=False)[0]
@@ -73,12 +80,25 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "token_ids": list(completion.token_ids),
                     "top_logprobs": {str(tok): lp.logprob for tok, lp in first.items()},
+                    "metrics": _metrics(out),
                 }
             )
     # Shut the engine down so each worker's connector flushes its queued writes
     # (bounded by movers.shutdown_flush_seconds) before the process ends.
     llm.llm_engine.engine_core.shutdown()
     return {"startup_seconds": startup, "results": results}
+
+
+def _metrics(out) -> dict[str, float] | None:
+    """vLLM's own per-request timings (only with log_stats): seconds from arrival to
+    the first token, and from the first to the last token."""
+    stats = getattr(out, "metrics", None)
+    if stats is None or not getattr(stats, "first_token_ts", 0):
+        return None
+    return {
+        "first_token_latency": float(stats.first_token_latency),
+        "decode_seconds": float(stats.last_token_ts - stats.first_token_ts),
+    }
 
 
 def run_engine(
