@@ -30,7 +30,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP=(pip_quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# This machine's pip config names local indexes that may not all exist; hide that noise.
+pip_quiet() { "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; return "${PIPESTATUS[0]}"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && [ "${TIERCACHE_FORCE_CPU:-0}" != 1 ]; then
     log "GPU found: installing vllm (CUDA build)"

