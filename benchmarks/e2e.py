@@ -195,15 +195,23 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, Any] = {}
 
     def engine(name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
-        print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {sum(1 for i in items if i['name'] != 'warm')} "
-              "measured requests", flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] engine {name}: {sum(1 for i in items if i['name'] != 'warm')} "
+            "measured requests",
+            flush=True,
+        )
         began = time.perf_counter()
         out = run_engine({**base_spec, **spec, "prompts": items}, runs_dir, timeout=3600)
         wall = time.perf_counter() - began
         results = [r for r in out["results"] if r["name"] != "warm"]
-        engines[name] = {"startup_seconds": out["startup_seconds"], "wall_seconds": wall, "results": results,
-                         "warm": [r for r in out["results"] if r["name"] == "warm"]}
+        engines[name] = {
+            "startup_seconds": out["startup_seconds"],
+            "wall_seconds": wall,
+            "results": results,
+            "warm": [r for r in out["results"] if r["name"] == "warm"],
+        }
         print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
+        (work / "partial.json").write_text(json.dumps(engines))  # survives a later failure
         return results
 
     def colds(max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
@@ -230,10 +238,12 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     # 3. vLLM's ExampleConnector: hit in the same engine, then from a fresh engine.
     example_dir = work / "example"
     shutil.rmtree(example_dir, ignore_errors=True)
-    engine("example", warm(True) + [item("warm", stored_warm)] + colds(1, True),
-           kv_transfer_config=example_kv(example_dir))
-    engine("example_fresh", warm(False, stored_warm) + hits(),
-           kv_transfer_config=example_kv(example_dir))
+    engine(
+        "example",
+        warm(True) + [item("warm", stored_warm)] + colds(1, True),
+        kv_transfer_config=example_kv(example_dir),
+    )
+    engine("example_fresh", warm(False, stored_warm) + hits(), kv_transfer_config=example_kv(example_dir))
 
     # 4. tiercache with every tier (CPU + disk + Redis/S3, write-through).
     disk_full, disk_empty = work / "disk-full", work / "disk-empty"
@@ -246,15 +256,24 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
             "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
             "movers": {"shutdown_flush_seconds": 300},
         }
-        engine("tiercache", warm(True) + [item("warm", stored_warm)] + colds(decode, True),
-               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}))
+        engine(
+            "tiercache",
+            warm(True) + [item("warm", stored_warm)] + colds(decode, True),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}),
+        )
         # 5. A fresh engine, disk tier only: disk hits, then the same prompt again
         #    (now a CPU hit, with no write-through in flight).
-        engine("tiercache_disk", warm(False, stored_warm) + hits("hit", twice=True),
-               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}}))
+        engine(
+            "tiercache_disk",
+            warm(False, stored_warm) + hits("hit", twice=True),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}}),
+        )
         # 6. A fresh engine with an empty disk: S3 hits (via one Redis lookup).
-        engine("tiercache_s3", warm(False, stored_warm) + hits(),
-               kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}))
+        engine(
+            "tiercache_s3",
+            warm(False, stored_warm) + hits(),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}),
+        )
 
     return summarize_ttft(engines, lengths, args)
 
@@ -291,10 +310,16 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
             sample = [got[k] for k in sorted(got) if k[0] == n]
             if not sample:
                 continue
-            gaps = [logprob_gap(r["top_logprobs"], reference[(n, rep)]["top_logprobs"])
-                    for (nn, rep), r in sorted(got.items()) if nn == n]
-            top_same = [r["token_ids"][:1] == reference[(n, rep)]["token_ids"][:1]
-                        for (nn, rep), r in sorted(got.items()) if nn == n]
+            gaps = [
+                logprob_gap(r["top_logprobs"], reference[(n, rep)]["top_logprobs"])
+                for (nn, rep), r in sorted(got.items())
+                if nn == n
+            ]
+            top_same = [
+                r["token_ids"][:1] == reference[(n, rep)]["token_ids"][:1]
+                for (nn, rep), r in sorted(got.items())
+                if nn == n
+            ]
             table[row][n] = {
                 "ttft_median": median([ttft(r) for r in sample]),
                 "ttft_all": [ttft(r) for r in sample],
@@ -304,8 +329,11 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
             }
     decode = {}
     for eng in ("none", "tiercache"):
-        rates = [(len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
-                 for r in by(eng, "cold").values() if r.get("metrics") and r["metrics"]["decode_seconds"] > 0]
+        rates = [
+            (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
+            for r in by(eng, "cold").values()
+            if r.get("metrics") and r["metrics"]["decode_seconds"] > 0
+        ]
         decode[eng] = {"tokens_per_s_median": median(rates), "all": rates}
     extra = {}
     cold8k = by("none", "cold8k")
@@ -318,8 +346,10 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
         "lengths": lengths,
         "table": table,
         "decode": decode,
-        "engines": {k: {"startup_seconds": v["startup_seconds"], "wall_seconds": v["wall_seconds"]}
-                    for k, v in engines.items()},
+        "engines": {
+            k: {"startup_seconds": v["startup_seconds"], "wall_seconds": v["wall_seconds"]}
+            for k, v in engines.items()
+        },
         "raw": engines,
         **extra,
     }
@@ -328,7 +358,9 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
 def print_ttft(data: dict[str, Any]) -> None:
     lengths = data["lengths"]
     cold = data["table"]["cold (no connector)"]
-    print("\n| run | " + " | ".join(f"{n} tok TTFT (x cold)" for n in lengths) + " | cached | max logprob gap |")
+    print(
+        "\n| run | " + " | ".join(f"{n} tok TTFT (x cold)" for n in lengths) + " | cached | max logprob gap |"
+    )
     print("|---|" + "---|" * (len(lengths) + 2))
     for row, per in data["table"].items():
         cells = []
@@ -444,12 +476,18 @@ def _moto_process():
     clients measured here do not share its interpreter lock."""
     from tiercache.testing.servers import _wait_port, create_bucket, free_port
 
-    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                 ("AWS_DEFAULT_REGION", "us-east-1")):
+    for k, v in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ.setdefault(k, v)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait_port(port, timeout=60)
     url = f"http://127.0.0.1:{port}"
     create_bucket(url, "bench")
@@ -493,7 +531,7 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
                 body = client.get_object(Bucket="bench", Key=writer.object_name(keys[i]))["Body"].read()
                 return len(body)
 
-            def rate(fn) -> float:
+            def rate(fn, conc=conc) -> float:
                 with ThreadPoolExecutor(conc) as pool:
                     began = time.perf_counter()
                     total = sum(pool.map(fn, range(count)))
@@ -516,8 +554,12 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
                 "tiercache_all": tiers,
                 "boto3_all": raws,
             }
-            print("s3 concurrency", conc, {k: v for k, v in result["by_concurrency"][conc].items()
-                                           if not k.endswith("_all")}, flush=True)
+            print(
+                "s3 concurrency",
+                conc,
+                {k: v for k, v in result["by_concurrency"][conc].items() if not k.endswith("_all")},
+                flush=True,
+            )
             tier.close()
         writer.close()
         result["machine"] = machine()
@@ -571,7 +613,9 @@ def plot(args: argparse.Namespace) -> None:
         a.set_ylabel("median latency, µs")
         a.legend(fontsize=8)
         xs = sorted(int(k) for k in data["by_index"])
-        b.plot(xs, [data["by_index"][str(x)]["median_us"] for x in xs], "o-", label="longest_prefix, 256 blocks")
+        b.plot(
+            xs, [data["by_index"][str(x)]["median_us"] for x in xs], "o-", label="longest_prefix, 256 blocks"
+        )
         b.axhline(data["ping_us"], color="gray", ls="--", label="PING")
         b.set_xscale("log")
         b.set_xlabel("index size, keys")
@@ -588,8 +632,15 @@ def plot(args: argparse.Namespace) -> None:
         data = json.loads(s3_file.read_text())
         xs = sorted(int(k) for k in data["by_concurrency"])
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(xs, [data["by_concurrency"][str(x)]["tiercache_mib_s"] for x in xs], "o-", label="S3Tier.get_into")
-        ax.plot(xs, [data["by_concurrency"][str(x)]["boto3_mib_s"] for x in xs], "s--", label="raw boto3 get_object")
+        ax.plot(
+            xs, [data["by_concurrency"][str(x)]["tiercache_mib_s"] for x in xs], "o-", label="S3Tier.get_into"
+        )
+        ax.plot(
+            xs,
+            [data["by_concurrency"][str(x)]["boto3_mib_s"] for x in xs],
+            "s--",
+            label="raw boto3 get_object",
+        )
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("concurrent GETs")
@@ -607,7 +658,9 @@ def plot(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", choices=["ttft", "lookup", "s3", "plot", "table"])
     parser.add_argument("--lengths", default="2000", help="prompt lengths in tokens, comma separated")
     parser.add_argument("--repeats", type=int, default=3)

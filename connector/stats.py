@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 TIERS = ("cpu", "disk", "s3")
+LATENCIES = "load_seconds"  # list of (tier, seconds), one per load job
 # counter name in vLLM's /metrics -> (stats key prefix, help)
 _COUNTERS = {
     "vllm:tiercache_loaded_blocks": ("loaded_blocks_", "Blocks loaded from a tiercache tier"),
@@ -30,13 +31,25 @@ class TierCacheStats(KVConnectorStats):
         if amount:
             self.data[key] = self.data.get(key, 0) + amount
 
+    def observe_load(self, tier: str, seconds: float) -> None:
+        """One load job's latency, from plan to blocks in the paged KV, by its slowest tier."""
+        self.data.setdefault(LATENCIES, []).append((tier, seconds))
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.add(key, value)
+            if key == LATENCIES:
+                self.data.setdefault(LATENCIES, []).extend(value)
+            else:
+                self.add(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        summary: dict[str, int | float] = {k: v for k, v in self.data.items() if k != LATENCIES}
+        for tier in TIERS:
+            seconds = sorted(s for t, s in self.data.get(LATENCIES, ()) if t == tier)
+            if seconds:
+                summary[f"load_p50_ms_{tier}"] = round(seconds[len(seconds) // 2] * 1000, 2)
+        return summary
 
     def is_empty(self) -> bool:
         return not self.data
@@ -56,6 +69,17 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         name, _, help_text = _STORED
         stored = self._counter_cls(name=name, documentation=help_text, labelnames=labelnames)
         self._stored = {engine: stored.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        latency = self._histogram_cls(
+            name="vllm:tiercache_load_seconds",
+            documentation="Time to load a request's cached prefix, by its slowest tier",
+            labelnames=[*labelnames, "tier"],
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+        )
+        self._latency = {
+            (engine, tier): latency.labels(*values, tier)
+            for engine, values in per_engine_labelvalues.items()
+            for tier in TIERS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, (prefix, _) in _COUNTERS.items():
@@ -66,3 +90,5 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         stored = transfer_stats_data.get(_STORED[1], 0)
         if stored:
             self._stored[engine_idx].inc(stored)
+        for tier, seconds in transfer_stats_data.get(LATENCIES, ()):
+            self._latency[(engine_idx, tier)].observe(seconds)

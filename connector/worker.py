@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ log = logging.getLogger("tiercache.connector")
 class _AsyncLoad:
     job: LoadJob
     staged: Future | None  # results of staging the non-CPU blocks, in order
+    started: float
 
 
 class TierCacheWorker:
@@ -125,9 +127,11 @@ class TierCacheWorker:
             if job.is_async:
                 staged = [(op.block_hash, op.slot, op.tier) for op in job.ops if op.tier in (DISK, S3)]
                 future = self.engine.stage_many(staged) if staged else None
-                self._async.append(_AsyncLoad(job, future))
+                self._async.append(_AsyncLoad(job, future, time.perf_counter()))
             else:
+                started = time.perf_counter()
                 self._finish_load(job.ops, staged_ok={})
+                self._stats.observe_load(CPU, time.perf_counter() - started)
         self._poll_async()
 
     def _poll_async(self) -> None:
@@ -141,6 +145,8 @@ class TierCacheWorker:
             staged_ok = {id(op): ok for op, ok in zip(staged_ops, results, strict=True)}
             self._finish_load(load.job.ops, staged_ok)
             self._finished_recving.add(load.job.req_id)
+            slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
+            self._stats.observe_load(slowest, time.perf_counter() - load.started)
         self._async = still
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
