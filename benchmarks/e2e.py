@@ -87,6 +87,13 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(1, VOCAB - 1000) for _ in range(length)]
 
 
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except OSError:
+        return float("nan")
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -201,6 +208,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         began = time.perf_counter()
+        load_before = loadavg()
         out = run_engine({**base_spec, **spec, "prompts": items}, runs_dir, timeout=3600)
         wall = time.perf_counter() - began
         results = [r for r in out["results"] if r["name"] != "warm"]
@@ -209,6 +217,8 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
             "wall_seconds": wall,
             "results": results,
             "warm": [r for r in out["results"] if r["name"] == "warm"],
+            # Other work on the machine skews timings: the 1-minute load before and after.
+            "loadavg": [load_before, loadavg()],
         }
         print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
         (work / "partial.json").write_text(json.dumps(engines))  # survives a later failure
@@ -347,7 +357,11 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
         "table": table,
         "decode": decode,
         "engines": {
-            k: {"startup_seconds": v["startup_seconds"], "wall_seconds": v["wall_seconds"]}
+            k: {
+                "startup_seconds": v["startup_seconds"],
+                "wall_seconds": v["wall_seconds"],
+                "loadavg": v.get("loadavg"),
+            }
             for k, v in engines.items()
         },
         "raw": engines,

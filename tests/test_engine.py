@@ -10,15 +10,15 @@ import uuid
 
 import numpy as np
 import pytest
-import tiercache.tiers.disk as disk_module
 from prometheus_client import REGISTRY
-from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import TMP_PREFIX
 
+import tiercache.tiers.disk as disk_module
 from tiercache.config import build_config
 from tiercache.engine import CPU, DISK, S3, LocalTierCache, ObjectShape, TierEngine
 from tiercache.index import RedisIndex
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.disk import TMP_PREFIX
 
 BLOCK = 64 * 1024
 

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-from tiercache.tiers.s3 import S3Tier, make_client
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
@@ -16,6 +15,7 @@ from tiercache.gc import flush_namespace, run_gc
 from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.leases import Leases, new_token
 from tiercache.redis_conn import GuardedRedis
+from tiercache.tiers.s3 import S3Tier, make_client
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import redis
 from prometheus_client import REGISTRY
-from tiercache.tiers.cpu import CpuBuffer
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
@@ -22,6 +21,7 @@ from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.keys import KVSpec
 from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.cpu import CpuBuffer
 
 BLOCK = 64 * 1024
 
@@ -94,7 +94,7 @@ def test_longest_prefix_is_one_round_trip(guarded, ranks, n):
     # Full hits, total misses and a miss on the very first block are one call too.
     assert index.longest_prefix(model, rank_digests, blocks[: min(held)]) == min(held)
     assert index.longest_prefix(model, rank_digests, hashes(n, seed=n + 1)) == 0
-    assert index.longest_prefix(model, rank_digests, [b"absent", *blocks]) == 0
+    assert index.longest_prefix(model, rank_digests, [b"\0" * 32, *blocks]) == 0
     assert log.take() == ["EVALSHA"] * 3
 
 
@@ -132,10 +132,20 @@ def test_lookup_across_chunk_boundaries(guarded):
     blocks = hashes(2600, seed=7)
     add_all(index, model, rank, blocks)
     for present in (2600, 2001, 2000, 1999, 1001, 1000, 999, 1, 0):
-        assert (
-            index.longest_prefix(model, [rank], blocks[:present] + [b"missing"] + blocks[present:]) == present
-        )
+        probe = blocks[:present] + [b"m" * 32] + blocks[present:]
+        assert index.longest_prefix(model, [rank], probe) == present
     assert index.longest_prefix(model, [rank], []) == 0
+
+
+def test_lookup_of_hashes_of_other_widths(guarded):
+    index = RedisIndex(guarded)
+    model, rank = digest(), digest()
+    short = [bytes([i]) * 8 for i in range(1, 6)]  # e.g. a 64-bit hash function
+    add_all(index, model, rank, short[:3])
+    assert index.longest_prefix(model, [rank], short) == 3
+    # A list that mixes widths (vLLM never sends one) is answered up to the first change.
+    assert index.longest_prefix(model, [rank], short[:2] + [b"x" * 32] + short[2:]) == 2
+    assert index.longest_prefix(model, [rank], [b"", *short]) == 0
 
 
 def test_lookup_touches_only_what_it_found(guarded):

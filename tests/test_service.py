@@ -12,13 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiercache.tiers.s3 import S3Tier, make_client
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
 from tiercache.index import REGISTRY, Deployment, index_key
 from tiercache.redis_conn import GuardedRedis
 from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
+from tiercache.tiers.s3 import S3Tier, make_client
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes

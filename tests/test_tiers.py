@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from safetensors import safe_open
+
+from tiercache.config import S3TierConfig
+from tiercache.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
-
-from tiercache.config import S3TierConfig
-from tiercache.keys import split_key
 
 DIGEST = "0123456789abcdef"
 BLOCK = 64 * 1024

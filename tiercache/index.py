@@ -20,18 +20,29 @@ REGISTRY = "tc:registry"
 # Lua's unpack() has a bounded stack: ask ZMSCORE for at most this many members a call.
 _CHUNK = 1000
 
-# KEYS: one index ZSET per rank. ARGV: now, touch (0/1), members...
+# KEYS: one index ZSET per rank. ARGV: now, touch (0/1), member length, members
+# concatenated into one string. One argument rather than thousands: packing and
+# unpacking a few thousand arguments costs both sides more than the lookup itself.
 # Returns how many leading members are present in every rank's ZSET.
 _LOOKUP = """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
-local n = #ARGV - 2
+local width = tonumber(ARGV[3])
+local blob = ARGV[4]
+local n = #blob / width
+local member = {}  -- split on first use, once
+local function upto(last)
+  for i = #member + 1, last do
+    member[i] = string.sub(blob, (i - 1) * width + 1, i * width)
+  end
+end
 local found = n
 for _, key in ipairs(KEYS) do
   local i = 1
   while i <= found do
     local last = math.min(found, i + %d - 1)
-    local scores = redis.call('ZMSCORE', key, unpack(ARGV, i + 2, last + 2))
+    upto(last)
+    local scores = redis.call('ZMSCORE', key, unpack(member, i, last))
     for j = 1, #scores do
       if not scores[j] then
         found = i + j - 2
@@ -50,7 +61,7 @@ if touch then
       local args = {}
       for j = i, last do
         args[#args + 1] = now
-        args[#args + 1] = ARGV[j + 2]
+        args[#args + 1] = member[j]
       end
       redis.call('ZADD', key, 'XX', unpack(args))
       i = last + 1
@@ -116,8 +127,18 @@ class RedisIndex:
             return 0
         LOOKUP_BLOCKS.inc(len(block_hashes))
         keys = [index_key(model_digest, digest) for digest in rank_digests]
+        widths = set(map(len, block_hashes))
+        if len(widths) != 1 or 0 in widths:
+            # The script splits one string into equal parts: a mixed list (never seen
+            # from vLLM) is looked up as its longest run of hashes of the first width.
+            width = len(block_hashes[0])
+            cut = next((i for i, h in enumerate(block_hashes) if len(h) != width), len(block_hashes))
+            if not width or cut == 0:
+                return 0
+            block_hashes = block_hashes[:cut]
+        width = len(block_hashes[0])
         script = self.redis.script(_LOOKUP)
-        args = [repr(time.time()), "1" if touch else "0", *block_hashes]
+        args = [repr(time.time()), "1" if touch else "0", width, b"".join(block_hashes)]
         found = int(self.redis.call("lookup", lambda: script(keys=keys, args=args)))
         if found:
             LOOKUP_HITS.labels("s3").inc(found)

@@ -72,7 +72,10 @@ class S3Tier:
 
     def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
         """One PUT (atomic: readers see the whole object or none). False on failure."""
-        body = header.encode() + bytes(data)
+        preamble = header.encode()
+        body = bytearray(len(preamble) + len(data))  # one copy of the pages, not two
+        body[: len(preamble)] = preamble
+        body[len(preamble) :] = data
         try:
             with timed(TIER, "put", len(data)):
                 self.client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body)
