@@ -37,6 +37,18 @@ def redis_url():
 
 
 @pytest.fixture
+def redis(redis_url):
+    """The session Redis, emptied, behind tiercache's guarded client."""
+    from tiercache.config import RedisConfig
+    from tiercache.redis_conn import GuardedRedis
+
+    guarded = GuardedRedis(redis_url, RedisConfig())
+    guarded.client.flushdb()
+    yield guarded
+    guarded.close()
+
+
+@pytest.fixture
 def redis_server():
     """A private redis-server this test may stop and restart."""
     server = RedisServer().start()

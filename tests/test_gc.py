@@ -7,14 +7,11 @@ import functools
 import time
 import uuid
 
-import pytest
-
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
 from tiercache.gc import flush_namespace, run_gc
 from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.leases import Leases, new_token
-from tiercache.redis_conn import GuardedRedis
 from tiercache.tiers.s3 import S3Tier, make_client
 
 SLOT = 4096
@@ -73,14 +70,6 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama") -> Deploy
         assert cache.engine.flush(30)
         cache.close()
     return deployment
-
-
-@pytest.fixture
-def redis(redis_url):
-    guarded = GuardedRedis(redis_url, build_config({}, environ={}).redis)
-    guarded.client.flushdb()
-    yield guarded
-    guarded.close()
 
 
 def set_ages(redis, deployment, hashes, start=1000.0):

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
 from tiercache.index import REGISTRY, Deployment, index_key
-from tiercache.redis_conn import GuardedRedis
 from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
 from tiercache.tiers.s3 import S3Tier, make_client
 
@@ -65,14 +64,6 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama", tiers=("d
         assert cache.engine.flush(30)
         cache.close()
     return deployment
-
-
-@pytest.fixture
-def redis(redis_url):
-    guarded = GuardedRedis(redis_url, build_config({}, environ={}).redis)
-    guarded.client.flushdb()
-    yield guarded
-    guarded.close()
 
 
 @pytest.fixture
