@@ -231,3 +231,28 @@ def test_inside_multiconnector_beside_another_connector(model, workdir, referenc
     cold, hit = out["results"]
     assert (cold["num_cached_tokens"], hit["num_cached_tokens"]) == (0, 9 * BLOCK)
     assert_same_output(hit, reference["p1"])
+
+
+def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = workdir / "inspect.yaml"
+    config.write_text(yaml.safe_dump(full_config(stack, workdir / "disk-a")))
+    tokens = workdir / "p1.json"
+    tokens.write_text(json.dumps(P1))
+    result = subprocess.run(
+        [sys.executable, "-m", "tiercache.cli", "inspect", "--prompt", f"@{tokens}", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "0", "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "of 9" in line]
+    assert any("s3" in line and "9 of 9" in line for line in lines), result.stdout
+    assert any("disk" in line and "9 of 9" in line for line in lines), result.stdout

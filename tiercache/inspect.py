@@ -213,3 +213,81 @@ def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
     if found:
         return EXIT_OK
     return EXIT_UNAVAILABLE if unavailable else EXIT_NOT_FOUND
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, hash_name: str = "sha256") -> list[bytes]:
+    """vLLM's own chained block hashes of a prompt's full blocks (vLLM computes the
+    same for `request.block_hashes`), so the answer agrees with what the connector
+    looks up. Needs vLLM installed."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+    except ImportError as error:
+        raise RuntimeError(f"hashing a prompt needs vLLM installed ({error})") from None
+    hash_fn = get_hash_fn_by_name(hash_name)
+    kv_cache_utils.init_none_hash(hash_fn)
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size])
+        hashes.append(bytes(parent))
+    return hashes
+
+
+def _leading_on_disk(root: Path, rank_digests, hashes: list[bytes]) -> int:
+    from tiercache.service import disk_object_path
+
+    count = 0
+    for block_hash in hashes:
+        keys = [f"{digest}/{block_hash.hex()}" for digest in rank_digests]
+        if not all(disk_object_path(root, key).is_file() for key in keys):
+            break
+        count += 1
+    return count
+
+
+def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: int, console: Console) -> int:
+    """Where the longest cached prefix of a prompt lives, per deployment and tier."""
+    from tiercache.gc import registered_deployments
+    from tiercache.index import RedisIndex
+    from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+
+    try:
+        hashes = prompt_block_hashes(token_ids, block_size)
+    except RuntimeError as error:
+        console.print(f"[red]{error}[/red]")
+        return EXIT_USAGE
+    table = Table(title=f"{len(token_ids)} tokens, {len(hashes)} full blocks of {block_size}")
+    for column in ("deployment", "model", "tier", "leading blocks cached"):
+        table.add_column(column)
+    rows = 0
+    if config.redis_url is not None:
+        redis = GuardedRedis(config.redis_url, config.redis)
+        try:
+            index = RedisIndex(redis)
+            for dep in registered_deployments(redis):
+                if dep.namespace != config.namespace:
+                    continue
+                found = index.longest_prefix(dep.model_digest, dep.rank_digests, hashes, touch=False)
+                table.add_row(dep.model_digest, dep.model, "s3", f"{found} of {len(hashes)}")
+                rows += 1
+                if config.disk is not None:
+                    on_disk = _leading_on_disk(config.disk.path, dep.rank_digests, hashes)
+                    table.add_row(
+                        dep.model_digest, dep.model, "disk (this node)", f"{on_disk} of {len(hashes)}"
+                    )
+        except RedisUnavailable as error:
+            console.print(f"[yellow]redis unavailable: {error}[/yellow]")
+        finally:
+            redis.close()
+    elif config.disk is not None and config.disk.path.is_dir():
+        # No registry without Redis: every rank digest on this disk is a candidate.
+        for digest_dir in sorted(p for p in config.disk.path.iterdir() if p.is_dir()):
+            on_disk = _leading_on_disk(config.disk.path, [digest_dir.name], hashes)
+            table.add_row(f"rank {digest_dir.name}", "", "disk (this node)", f"{on_disk} of {len(hashes)}")
+            rows += 1
+    if not rows:
+        console.print("[yellow]nothing to look in: configure redis_url or disk.path[/yellow]")
+        return EXIT_USAGE
+    console.print(table)
+    return 0
