@@ -94,6 +94,59 @@ def loadavg() -> float:
         return float("nan")
 
 
+class CpuMonitor:
+    """Samples how busy the machine's CPUs are with work that is not this benchmark's
+    (its own process tree: engines, servers), so timings taken while other jobs ran
+    on the machine can be told apart."""
+
+    def __init__(self, interval: float = 0.1):
+        import threading
+
+        import psutil
+
+        self.psutil = psutil
+        self.interval = interval
+        self.samples: list[tuple[float, float, float]] = []  # (time, busy s, ours s)
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _busy(self) -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]
+        return (sum(fields[:8]) - idle) / self.tick
+
+    def _ours(self) -> float:
+        me = self.psutil.Process()
+        total = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except self.psutil.Error:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._busy(), self._ours()))
+            self._stop.wait(self.interval)
+
+    def foreign_cores(self, start: float, end: float, pad: float = 0.5) -> float:
+        """Average number of cores busy with other work over [start - pad, end + pad]."""
+        start, end = start - pad, end + pad
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (t0, b0, o0), (t1, b1, o1) = inside[0], inside[-1]
+        return max(0.0, ((b1 - b0) - max(0.0, o1 - o0)) / (t1 - t0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -200,6 +253,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
 
     stored_warm = prompt(3, 256)  # stored by each storing engine, hit by the fresh ones
     engines: dict[str, Any] = {}
+    monitor = CpuMonitor()
 
     def engine(name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
         print(
@@ -211,6 +265,9 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         load_before = loadavg()
         out = run_engine({**base_spec, **spec, "prompts": items}, runs_dir, timeout=3600)
         wall = time.perf_counter() - began
+        for r in out["results"]:
+            if "started_at" in r:
+                r["foreign_cores"] = monitor.foreign_cores(r["started_at"], r["started_at"] + r["seconds"])
         results = [r for r in out["results"] if r["name"] != "warm"]
         engines[name] = {
             "startup_seconds": out["startup_seconds"],
@@ -281,10 +338,11 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         # 6. A fresh engine with an empty disk: S3 hits (via one Redis lookup).
         engine(
             "tiercache_s3",
-            warm(False, stored_warm) + hits(),
+            warm(False, stored_warm) + hits("hit", twice=True),
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}),
         )
 
+    monitor.stop()
     return summarize_ttft(engines, lengths, args)
 
 
@@ -311,6 +369,7 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
         "tiercache CPU hit (after disk promote, quiet)": ("tiercache_disk", "hit2"),
         "tiercache disk hit (fresh engine)": ("tiercache_disk", "hit"),
         "tiercache S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
+        "tiercache CPU hit (after S3 promote, quiet)": ("tiercache_s3", "hit2"),
     }
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for row, (eng, label) in rows.items():
@@ -336,6 +395,7 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
                 "cached_tokens": [r["num_cached_tokens"] for r in sample],
                 "max_logprob_gap": max(gaps),
                 "first_token_same": all(top_same),
+                "foreign_cores": [r.get("foreign_cores") for r in sample],
             }
     decode = {}
     for eng in ("none", "tiercache"):
@@ -345,7 +405,16 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
             if r.get("metrics") and r["metrics"]["decode_seconds"] > 0
         ]
         decode[eng] = {"tokens_per_s_median": median(rates), "all": rates}
-    extra = {}
+    # Ratios taken inside one engine, prompt by prompt (robust to other load on the
+    # machine): a lower-tier hit against the CPU hit of the same prompt right after.
+    paired = {}
+    for eng in ("tiercache_disk", "tiercache_s3"):
+        first, second = by(eng, "hit"), by(eng, "hit2")
+        paired[eng] = {
+            n: median([ttft(first[k]) / ttft(second[k]) for k in sorted(first) if k[0] == n and k in second])
+            for n in lengths
+        }
+    extra = {"paired_lower_tier_vs_cpu_hit": paired}
     cold8k = by("none", "cold8k")
     if cold8k:
         extra["cold_8k_seconds"] = ttft(next(iter(cold8k.values())))
@@ -375,7 +444,7 @@ def print_ttft(data: dict[str, Any]) -> None:
     print(
         "\n| run | " + " | ".join(f"{n} tok TTFT (x cold)" for n in lengths) + " | cached | max logprob gap |"
     )
-    print("|---|" + "---|" * (len(lengths) + 2))
+    print("|---|" + "---|" * (len(lengths) + 3))
     for row, per in data["table"].items():
         cells = []
         for n in lengths:
@@ -387,8 +456,11 @@ def print_ttft(data: dict[str, Any]) -> None:
             cells.append(f"{v['ttft_median'] * 1000:.0f} ms ({v['ttft_median'] / c['ttft_median']:.3f})")
         last = per.get(lengths[-1]) or per.get(str(lengths[-1])) or {}
         gap = max((v["max_logprob_gap"] for v in per.values()), default=float("nan"))
-        print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} |")
+        foreign = [f for v in per.values() for f in v.get("foreign_cores") or [] if f is not None]
+        load = f"{median(foreign):.2f}" if foreign else "-"
+        print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} | {load} |")
     print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})
+    print("lower-tier hit / CPU hit, same engine:", data.get("paired_lower_tier_vs_cpu_hit"))
 
 
 # -- Redis lookup -----------------------------------------------------------------------

@@ -184,15 +184,32 @@ def gc(
 @app.command()
 def inspect(
     target: str = typer.Argument(
-        ...,
-        help="A .safetensors object file, or an object key "
-        "'<digest>/<block hash hex>' to look up in the tiers.",
+        None,
+        help="A .safetensors object file, or an object key '<digest>/<block hash hex>' to look up.",
     ),
+    prompt: str = typer.Option(
+        None,
+        "--prompt",
+        help="Token ids (comma-separated, or @FILE holding a JSON list): show where its cached prefix lives.",
+    ),
+    block_size: int = typer.Option(32, "--block-size", min=1, help="vLLM's block size, with --prompt."),
     config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG"),
 ) -> None:
-    """Show what an object is (header, checksum check) and where a key lives."""
-    from tiercache.inspect import inspect_target
+    """Show what an object is (header, checksum check), where a key lives, or how much
+    of a prompt's prefix is cached in which tier."""
+    from tiercache.inspect import inspect_prompt, inspect_target
 
+    if prompt is not None:
+        try:
+            raw = Path(prompt[1:]).read_text() if prompt.startswith("@") else f"[{prompt}]"
+            token_ids = [int(t) for t in json.loads(raw)]
+        except (OSError, ValueError, TypeError) as error:
+            err.print(f"[red]--prompt: expected token ids like 1,2,3 or @tokens.json ({error})[/red]")
+            raise typer.Exit(EXIT_BAD_CONFIG) from None
+        raise typer.Exit(inspect_prompt(token_ids, _load(config), block_size, console))
+    if target is None:
+        err.print("[red]give an object file, an object key, or --prompt[/red]")
+        raise typer.Exit(EXIT_BAD_CONFIG)
     code = inspect_target(target, _load(config) if config else None, console)
     raise typer.Exit(code)
 

@@ -67,6 +67,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         # A prompt may set its own max_tokens (decode-rate runs among TTFT runs).
         params = sampling(prompt["max_tokens"]) if "max_tokens" in prompt else default_params
         for _ in range(prompt.get("repeat", 1)):
+            started_at = time.time()
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt["ids"])], params, use_tqdm=False)[0]
             elapsed = time.perf_counter() - began
@@ -77,6 +78,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                     "name": prompt.get("name", ""),
                     "prompt_tokens": len(prompt["ids"]),
                     "seconds": elapsed,
+                    "started_at": started_at,
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "token_ids": list(completion.token_ids),
                     "top_logprobs": {str(tok): lp.logprob for tok, lp in first.items()},
