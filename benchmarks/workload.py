@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import NAMESPACE, RESULTS, logprob_gap, machine, prompt, write_model  # noqa: E402
+from e2e import NAMESPACE, RESULTS, engine_env, logprob_gap, machine, prompt, write_model  # noqa: E402
 
 # Half the e2e model's depth (same KV heads and head size): 32 KiB of KV per token,
 # 1 MiB per 32-token block, and twice the prefill speed, so the run stays short.
@@ -89,8 +89,13 @@ def main() -> None:
     parser.add_argument("--message", type=int, default=192, help="tokens per user message")
     parser.add_argument("--reply", type=int, default=64, help="tokens per (synthetic) reply")
     parser.add_argument("--gen", type=int, default=8, help="tokens generated per request")
-    parser.add_argument("--cpu-capacity", default="48MiB", help="smaller than the working set")
+    parser.add_argument(
+        "--cpu-capacity", default="80MiB", help="smaller than the working set (152 blocks of 1 MiB)"
+    )
     parser.add_argument("--workdir", default="/tmp/tiercache-bench-workload")
+    parser.add_argument(
+        "--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (CPU build)"
+    )
     args = parser.parse_args()
 
     from tiercache.testing.servers import local_stack
@@ -119,7 +124,7 @@ def main() -> None:
         if extra is not None:
             spec["kv_transfer_config"] = connector_config({"namespace": NAMESPACE + "-workload", **extra})
         began = time.perf_counter()
-        out = run_engine(spec, work / "runs", timeout=3600)
+        out = run_engine(spec, work / "runs", env=engine_env(args), timeout=3600)
         results = [r for r in out["results"] if r["name"] != "warm"]
         runs[name] = {"results": results, "wall": time.perf_counter() - began}
         return results

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from tiercache.config import RedisConfig, redact_url
 from tiercache.metrics import INDEX_ERRORS
@@ -42,12 +43,30 @@ class GuardedRedis:
     def __init__(self, url: str, settings: RedisConfig, client=None):
         self.url = url
         self.settings = settings
-        self.client = client if client is not None else connect(url, settings)
-        self.cluster = isinstance(self.client, RedisCluster)
+        self.cluster = isinstance(client, RedisCluster) if client is not None else "+cluster://" in url
+        # A standalone client connects on its first command; a cluster client reads
+        # the slot map when it is built, so it is built on first use: a cluster that
+        # is down at startup is a miss, not a failure to start.
+        self._client = client if client is not None or self.cluster else connect(url, settings)
         self._lock = threading.Lock()
         self._failures = 0
         self._closed_until = 0.0
         self._scripts: dict[str, object] = {}
+
+    @property
+    def client(self):
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    try:
+                        self._client = connect(self.url, self.settings)
+                    except (redis.RedisError, RedisClusterException, OSError) as error:
+                        raise RedisUnavailable(
+                            f"redis {redact_url(self.url)}: cannot connect ({type(error).__name__})"
+                        ) from error
+                client = self._client
+        return client
 
     @property
     def available(self) -> bool:
@@ -56,7 +75,8 @@ class GuardedRedis:
     def script(self, source: str):
         script = self._scripts.get(source)
         if script is None:
-            script = self._scripts[source] = self.client.register_script(source)
+            client = self.call("connect", lambda: self.client)  # breaker-guarded
+            script = self._scripts[source] = client.register_script(source)
         return script
 
     def call(self, op: str, fn: Callable[[], T]) -> T:
@@ -66,7 +86,9 @@ class GuardedRedis:
             raise RedisUnavailable(f"redis {redact_url(self.url)} is in backoff")
         try:
             result = fn()
-        except (redis.RedisError, OSError) as error:
+        except (redis.RedisError, RedisClusterException, RedisUnavailable, OSError) as error:
+            # RedisClusterException (a slot no live node serves, no reachable node)
+            # is not a RedisError.
             INDEX_ERRORS.labels(op).inc()
             with self._lock:
                 self._failures += 1
@@ -94,9 +116,11 @@ class GuardedRedis:
     def ping(self) -> bool:
         try:
             return bool(self.client.ping())
-        except (redis.RedisError, OSError):
+        except (redis.RedisError, RedisClusterException, RedisUnavailable, OSError):
             return False
 
     def close(self) -> None:
-        with contextlib.suppress(redis.RedisError, OSError):
-            self.client.close()
+        if self._client is None:
+            return
+        with contextlib.suppress(redis.RedisError, RedisClusterException, OSError):
+            self._client.close()

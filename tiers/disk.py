@@ -66,6 +66,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
         self._usage = 0
+        self._writing = 0  # bytes of writes in flight: counted against capacity too
         self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root)
         self._reindex()
@@ -147,7 +148,17 @@ class DiskTier:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
                 return True
-        self._evict_to(self.capacity - size)
+            # Reserve the room first, so that concurrent writers cannot each evict
+            # for themselves and together overshoot the capacity.
+            self._writing += size
+        try:
+            return self._put_reserved(key, path, preamble, data, size)
+        finally:
+            with self._lock:
+                self._writing -= size
+
+    def _put_reserved(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
+        self._evict_to(self.capacity)
         folder, name = os.path.split(path)
         tmp = f"{folder}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{name}"
         try:
@@ -166,8 +177,9 @@ class DiskTier:
                 os.unlink(tmp)
             return False
         with self._lock:
+            if key not in self._sizes:  # two writers of one key count it once
+                self._usage += size
             self._sizes[key] = size
-            self._usage += size
             TIER_USAGE.labels(TIER).set(self._usage)
         return True
 
@@ -288,7 +300,7 @@ class DiskTier:
     def _evict_to(self, budget: int) -> None:
         while True:
             with self._lock:
-                if self._usage <= budget or not self._sizes:
+                if self._usage + self._writing <= budget or not self._sizes:
                     return
                 victim = next(iter(self._sizes))
             with contextlib.suppress(OSError):

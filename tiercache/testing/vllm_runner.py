@@ -53,6 +53,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - started
+
     def sampling(max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -64,6 +65,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     default_params = sampling(spec.get("max_tokens", 1))
     results = []
     for prompt in spec["prompts"]:
+        if "ids" not in prompt:
+            _control(prompt)  # a fault-injection test's hook between prompts
+            continue
         # A prompt may set its own max_tokens (decode-rate runs among TTFT runs).
         params = sampling(prompt["max_tokens"]) if "max_tokens" in prompt else default_params
         for _ in range(prompt.get("repeat", 1)):
@@ -89,6 +93,21 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     # (bounded by movers.shutdown_flush_seconds) before the process ends.
     llm.llm_engine.engine_core.shutdown()
     return {"startup_seconds": startup, "results": results}
+
+
+def _control(entry: dict[str, Any]) -> None:
+    """Entries without "ids" let a test act between prompts of one engine:
+    {"touch": PATH} creates PATH (this engine reached here); {"wait_for": PATH,
+    "timeout": S} blocks until PATH exists (the test has done its part), at most S
+    seconds (default 300), then fails the run."""
+    if "touch" in entry:
+        Path(entry["touch"]).touch()
+    if "wait_for" in entry:
+        deadline = time.monotonic() + float(entry.get("timeout", 300))
+        while not Path(entry["wait_for"]).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {entry.get('timeout', 300)}s for {entry['wait_for']}")
+            time.sleep(0.05)
 
 
 def _metrics(out) -> dict[str, float] | None:
