@@ -26,9 +26,32 @@ from .worker import TierCacheWorker
 log = logging.getLogger("tiercache.connector")
 
 
+class _ToVllmLogs(logging.Handler):
+    """Hands tiercache's records to vLLM's logger, whatever handlers it has now."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def log_through_vllm() -> None:
+    """tiercache's loggers print nothing below WARNING unless the host configures
+    them. Inside vLLM, send their records through vLLM's logging at vLLM's level, so
+    the tier set-up, the layer-by-layer switch and dropped writes show up beside
+    vLLM's own lines. vLLM configures its logging when an engine starts, so this runs
+    when the connector is built, not on import."""
+    ours = logging.getLogger("tiercache")
+    if not any(isinstance(h, _ToVllmLogs) for h in ours.handlers):
+        if ours.handlers:
+            return  # the host configured tiercache's logging itself
+        ours.addHandler(_ToVllmLogs())
+        ours.propagate = False
+    ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
+
+
 class TierCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through_vllm()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         try:
             self.config = build_config(extra, source="kv_connector_extra_config")
@@ -85,7 +108,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv, before the forward
+        if self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # stores are copied once per step, in wait_for_save

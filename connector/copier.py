@@ -114,14 +114,20 @@ class PagedKVCopier:
             self._copy_spans_staged(spans, buffer, out_of_kv, non_blocking)
             return
         for region in self.regions:
-            slots_view = self._slot_view(buffer, region)
-            for block, slot, n in spans:
-                kv = region.blocks[block : block + n]
-                host = slots_view[slot : slot + n]
-                if out_of_kv:
-                    host.copy_(kv, non_blocking=non_blocking)
-                else:
-                    kv.copy_(host, non_blocking=non_blocking)
+            self.copy_region(region, spans, buffer, out_of_kv, non_blocking)
+
+    def copy_region(
+        self, region: LayerRegion, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool = False
+    ) -> None:
+        """One layer's share of a copy: `spans` as made by `runs`."""
+        slots_view = self._slot_view(buffer, region)
+        for block, slot, n in spans:
+            kv = region.blocks[block : block + n]
+            host = slots_view[slot : slot + n]
+            if out_of_kv:
+                host.copy_(kv, non_blocking=non_blocking)
+            else:
+                kv.copy_(host, non_blocking=non_blocking)
 
     def _copy_spans_staged(self, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool) -> None:
         longest = max(n for _, _, n in spans)

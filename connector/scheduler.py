@@ -165,9 +165,23 @@ class TierCacheScheduler:
             else:
                 LOOKUP_BLOCKS.inc(limit - first)
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
+        tiers = self._fit_to_cpu_tier(tiers)
         if not tiers:
             return 0, False
         return len(tiers) * self.block_size, any(t != CPU for t in tiers)
+
+    def _fit_to_cpu_tier(self, tiers: list[str]) -> list[str]:
+        """Each disk or S3 block is staged through a CPU slot of its own. A hit that
+        needs more slots than transfers leave free is cut where they run out: the
+        rest is computed, rather than planned, failed and recovered by vLLM."""
+        room = self.slots.unpinned() - tiers.count(CPU)  # this hit pins its CPU blocks too
+        needed = 0
+        for i, tier in enumerate(tiers):
+            if tier != CPU:
+                needed += 1
+                if needed > room:
+                    return tiers[:i]
+        return tiers
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         req_id = request.request_id

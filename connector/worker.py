@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +17,11 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.keys import KVSpec
+from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
+from .layerwise import LayerwiseLoad
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -40,6 +42,13 @@ log = logging.getLogger("tiercache.connector")
 class _AsyncLoad:
     job: LoadJob
     staged: Future | None  # results of staging the non-CPU blocks, in order
+    started: float
+
+
+@dataclass
+class _LayerwiseStep:
+    load: LayerwiseLoad
+    ops: list[BlockOp]
     started: float
 
 
@@ -72,6 +81,12 @@ class TierCacheWorker:
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._stats = TierCacheStats()
+        # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
+        # forward calling wait_for_layer_load for every registered layer, in this order.
+        self._layer_order: list[str] | None = None
+        self._layers_this_step: list[str] = []
+        self._layerwise: _LayerwiseStep | None = None
+        self._layer_helper: ThreadPoolExecutor | None = None
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
@@ -86,6 +101,11 @@ class TierCacheWorker:
             log.error("tiercache: %s", self.disabled_reason)
             return
         self.copier = copier
+        if not copier.on_cuda and not copier.staged:
+            # CUDA copies are already asynchronous on their own stream.
+            self._layer_helper = ThreadPoolExecutor(
+                1, thread_name_prefix="tiercache-layers", initializer=helper_thread
+            )
         num_slots = slots_for(self.config.cpu.capacity, copier.slot_bytes)
         self.buffer = CpuBuffer(num_slots, copier.slot_bytes)
         layout, dtype, shapes = copier.describe()
@@ -123,16 +143,58 @@ class TierCacheWorker:
             # The slot is reused this step: write the old block down from a copy.
             data = bytes(self.buffer.view(slot))
             self.engine.write_down(block_hash, None, self._after_write, data=data)
+        cpu_hits: list[BlockOp] = []
         for job in meta.loads:
             if job.is_async:
                 staged = [(op.block_hash, op.slot, op.tier) for op in job.ops if op.tier in (DISK, S3)]
                 future = self.engine.stage_many(staged) if staged else None
                 self._async.append(_AsyncLoad(job, future, time.perf_counter()))
             else:
-                started = time.perf_counter()
-                self._finish_load(job.ops, staged_ok={})
-                self._stats.observe_load(CPU, time.perf_counter() - started)
+                cpu_hits.extend(job.ops)
+        if cpu_hits:
+            self._load_cpu_hits(cpu_hits)
         self._poll_async()
+
+    def _load_cpu_hits(self, ops: list[BlockOp]) -> None:
+        """This step's hits wholly in the CPU tier: layer by layer beside the forward
+        when that is known to be safe, else now, before the forward."""
+        started = time.perf_counter()
+        if self._layer_order is None or self._layer_helper is None:
+            self._finish_load(ops, staged_ok={})
+            self._stats.observe_load(CPU, time.perf_counter() - started)
+            return
+        good = self._good_prefix(ops, staged_ok={})
+        if not good:
+            self._release(ops, staged_ok={})
+            return
+        load = LayerwiseLoad(
+            self.copier,
+            self.buffer,
+            [op.slot for op in good],
+            [op.gpu_block for op in good],
+            self._layer_order,
+            self._layer_helper,
+        )
+        self._layerwise = _LayerwiseStep(load, ops, started)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """vLLM calls this before each attention layer of a step's forward."""
+        self._layers_this_step.append(layer_name)
+        if self._layerwise is not None:
+            self._layerwise.load.wait(layer_name)
+
+    def _end_of_forward(self) -> None:
+        step, self._layerwise = self._layerwise, None
+        if step is not None:
+            step.load.finish()
+            self._stats.observe_load(CPU, time.perf_counter() - step.started)
+            self._release(step.ops, staged_ok={})
+        seen, self._layers_this_step = self._layers_this_step, []
+        if self._layer_order is None and self.copier is not None and seen:
+            registered = {region.name for region in self.copier.regions}
+            if registered <= set(seen):
+                self._layer_order = [name for name in dict.fromkeys(seen) if name in registered]
+                log.info("tiercache: loading CPU-tier hits layer by layer during the forward")
 
     def _poll_async(self) -> None:
         still = []
@@ -150,8 +212,15 @@ class TierCacheWorker:
         self._async = still
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
-        """Copy the good blocks into the paged KV; report the rest as failed. Blocks
-        after a failed one are failed too: a prefix must be whole."""
+        """Copy the good blocks into the paged KV; report the rest as failed."""
+        good = self._good_prefix(ops, staged_ok)
+        if good:
+            self.copier.from_slots([op.slot for op in good], [op.gpu_block for op in good], self.buffer)
+        self._release(ops, staged_ok)
+
+    def _good_prefix(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> list[BlockOp]:
+        """The blocks to load, counted; the rest reported as failed. Blocks after a
+        failed one are failed too: a prefix must be whole."""
         good: list[BlockOp] = []
         failed = False
         for op in ops:
@@ -167,8 +236,10 @@ class TierCacheWorker:
                 failed = True
                 self._failed_blocks.add(op.gpu_block)
                 self._stats.add(f"failed_blocks_{op.tier or 'cpu'}", 1)
-        if good:
-            self.copier.from_slots([op.slot for op in good], [op.gpu_block for op in good], self.buffer)
+        return good
+
+    def _release(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
+        """The load is in the paged KV: give the slots back (or promote to disk)."""
         for op in ops:
             if op.slot < 0:
                 continue
@@ -194,6 +265,8 @@ class TierCacheWorker:
 
     # -- stores ---------------------------------------------------------------------
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
+        """The step's forward is over: finish its loads, then copy out its stores."""
+        self._end_of_forward()
         if self.engine is None or not meta.stores:
             return
         ops = meta.stores
@@ -238,5 +311,7 @@ class TierCacheWorker:
         return stats
 
     def shutdown(self) -> None:
+        if self._layer_helper is not None:
+            self._layer_helper.shutdown(wait=True)
         if self.engine is not None:
             self.engine.close()

@@ -174,6 +174,24 @@ def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     assert hashes[0] not in sched.slots and hashes[1] in sched.ready
 
 
+def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():
+    sched = make_scheduler(capacity_slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    req = request("r1", 6)
+    for h in req.block_hashes:  # all six blocks on disk, none in the CPU tier
+        sched.disk_view[bytes(h)] = None
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)  # 4 slots, 4 blocks
+    held = [sched.slots.allocate(f"busy{i}")[0] for i in range(3)]  # 3 slots mid-transfer
+    assert sched.get_num_new_matched_tokens(req, 0) == (1 * BLOCK, True)
+    sched.update_state_after_alloc(req, blocks_of(range(10, 17)), 1 * BLOCK)
+    (job,) = sched.build_connector_meta(output()).loads
+    assert [(op.tier, op.slot >= 0) for op in job.ops] == [("disk", True)]  # nothing planned to fail
+    # Every slot is pinned now (3 busy, 1 staging r1's block): no room at all.
+    assert sched.get_num_new_matched_tokens(request("r2", 6), 0) == (0, False)
+    for slot in held:
+        sched.slots.unpin(slot)
+    assert sched.get_num_new_matched_tokens(request("r3", 6), 0) == (3 * BLOCK, True)
+
+
 def test_preempted_request_resumes_with_new_block_ids():
     sched = make_scheduler()
     req = request("r1", 4)
@@ -203,3 +221,27 @@ def test_write_back_demotes_the_victim_of_an_eviction():
     other.block_hashes = [b"\xee" * 32, b"\xef" * 32]
     meta2 = store_prompt(sched, other, [8, 9])
     assert meta2.write_backs and meta2.write_backs[0][0] == meta.stores[0].block_hash
+
+
+def test_inside_vllm_tiercache_logs_through_vllms_logging(capsys):
+    import logging
+
+    from vllm.config import LoggingConfig
+    from vllm.logger import configure_logging
+
+    from tiercache.connector.connector import log_through_vllm
+
+    ours = logging.getLogger("tiercache")
+    saved = ours.handlers[:], ours.propagate, ours.level
+    try:
+        configure_logging(LoggingConfig(log_level="INFO"))  # what an engine does at start
+        log_through_vllm()
+        log_through_vllm()  # once only, however many connectors are built
+        logging.getLogger("tiercache.connector").info("tiers ready: %d slots", 7)
+        logging.getLogger("tiercache.connector").debug("not at INFO")
+    finally:  # later tests capture tiercache's records at the root logger
+        ours.handlers[:], ours.propagate = saved[0], saved[1]
+        ours.setLevel(saved[2])
+    err = capsys.readouterr()
+    printed = err.out + err.err
+    assert printed.count("tiers ready: 7 slots") == 1 and "not at INFO" not in printed

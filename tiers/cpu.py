@@ -117,6 +117,11 @@ class SlotAllocator:
             keys = list(self._slot_of)
         return sum(self.remove(key) for key in keys)
 
+    def unpinned(self) -> int:
+        """Slots no transfer holds: free ones plus ones that may be evicted."""
+        with self._lock:
+            return self.num_slots - len(self._pins)
+
     def usage_bytes(self) -> int:
         return len(self._slot_of) * self.slot_bytes
 

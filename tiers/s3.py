@@ -14,6 +14,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_ERRORS, timed
+from tiercache.threads import helper_thread
 from tiercache.tiers.format import (
     CorruptObject,
     ObjectHeader,
@@ -54,7 +55,10 @@ class S3Tier:
         self.config = config
         self.bucket = config.bucket
         self.client = client or make_client(config)
-        self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
+        # Parallel GETs that a waiting request stages from.
+        self.pool = ThreadPoolExecutor(
+            config.max_concurrency, thread_name_prefix="tiercache-s3", initializer=helper_thread
+        )
 
     def object_name(self, key: str) -> str:
         digest, block = split_key(key)

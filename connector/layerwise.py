@@ -1,0 +1,95 @@
+"""A CPU-tier hit loaded into the paged KV layer by layer, while the forward pass runs.
+
+Copying a whole hit before the forward starts puts the full copy on the critical path
+(about 20 ms for 124 MiB on a 2-core machine: 13% of a 2000-token hit's time to first
+token). Here a helper thread copies the layers in the order the forward reaches them,
+and the forward's own thread, when it reaches a layer that is not in place yet, copies
+another still-untouched layer from the far end instead of idling: two threads share the
+copy and the forward computes layer i while layer i+1 is being copied.
+
+Correctness rests on one rule: a layer's attention runs only after `wait(layer)`
+returned, which vLLM guarantees by calling the connector's `wait_for_layer_load`
+before each attention layer. The worker uses this class only once it has seen a
+whole step call that hook for every registered layer (see `TierCacheWorker`)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tiercache.tiers.cpu import CpuBuffer
+
+from .copier import PagedKVCopier, runs
+
+
+class LayerwiseLoad:
+    def __init__(
+        self,
+        copier: PagedKVCopier,
+        buffer: CpuBuffer,
+        slots: list[int],
+        block_ids: list[int],
+        order: list[str],
+        helper: ThreadPoolExecutor,
+    ):
+        self._copier = copier
+        self._buffer = buffer
+        self._spans = runs(block_ids, slots)
+        self._regions = {region.name: region for region in copier.regions}
+        self._order = [name for name in order if name in self._regions]
+        self._unclaimed = list(self._order)  # front: the helper's end; back: the stealer's
+        self._done = {name: threading.Event() for name in self._order}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        helper.submit(self._run_helper)
+
+    def _claim(self, name: str | None = None, from_back: bool = False) -> str | None:
+        with self._lock:
+            if not self._unclaimed:
+                return None
+            if name is None:
+                return self._unclaimed.pop(-1 if from_back else 0)
+            if name in self._unclaimed:
+                self._unclaimed.remove(name)
+                return name
+            return None
+
+    def _copy(self, name: str) -> None:
+        try:
+            # vLLM runs the forward in inference mode, and its KV tensors may only be
+            # written in that mode; the mode is per thread.
+            with torch.inference_mode():
+                self._copier.copy_region(self._regions[name], self._spans, self._buffer, out_of_kv=False)
+        except BaseException as error:  # surfaced to the forward's thread in wait()
+            self._error = error
+        finally:
+            self._done[name].set()
+
+    def _run_helper(self) -> None:
+        while (name := self._claim()) is not None:
+            self._copy(name)
+
+    def wait(self, name: str) -> None:
+        """Return once layer `name` is in the paged KV (at once for a layer this load
+        does not touch). Raises what its copy raised."""
+        done = self._done.get(name)
+        if done is None:
+            return
+        if self._claim(name) is not None:
+            self._copy(name)
+        while not done.is_set():
+            # Someone else is copying it: help with the rest rather than wait idle.
+            other = self._claim(from_back=True)
+            if other is None:
+                done.wait()
+            else:
+                self._copy(other)
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Wait for every layer: the step's forward is over, or never asked."""
+        for name in self._order:
+            self.wait(name)

@@ -1,0 +1,182 @@
+"""CPU-tier hits loaded layer by layer during the forward (connector/layerwise.py), and
+where tiercache's background threads run (tiercache/threads.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tiercache.config import build_config
+from tiercache.connector.copier import PagedKVCopier
+from tiercache.connector.layerwise import LayerwiseLoad
+from tiercache.connector.metadata import RELEASED, BlockOp, LoadJob, TierCacheMetadata
+from tiercache.connector.worker import TierCacheWorker
+from tiercache.keys import KVSpec
+from tiercache.tiers.cpu import CpuBuffer
+
+NUM_BLOCKS = 16
+# Names whose sorted order (the slot layout) differs from the forward's order.
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(12)]
+
+
+def paged_kv() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {name: torch.randn(NUM_BLOCKS, 2, 32, 16) for name in LAYERS}
+
+
+def test_layerwise_load_puts_each_layer_in_place_before_wait_returns():
+    kv = paged_kv()
+    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    buffer = CpuBuffer(8, copier.slot_bytes, pin_memory=False)
+    src, slots, dst = [2, 3, 4, 9], [0, 1, 2, 5], [10, 11, 12, 13]
+    copier.to_slots(src, slots, buffer)
+    want = {name: t[src].clone() for name, t in kv.items()}
+    for t in kv.values():
+        t[dst] = 0
+    with ThreadPoolExecutor(1) as helper:
+        load = LayerwiseLoad(copier, buffer, slots, dst, LAYERS, helper)
+        for name in LAYERS:  # the forward, layer by layer
+            load.wait(name)
+            assert torch.equal(kv[name][dst], want[name]), name
+        load.wait("not.a.kv.layer")  # a layer the load does not touch returns at once
+        load.finish()
+    assert not kv[LAYERS[0]][0:2].eq(want[LAYERS[0]][0:2]).all()  # other blocks untouched
+
+
+def test_layerwise_load_when_the_forward_outruns_a_stalled_helper():
+    """The forward's thread copies what it needs itself: no deadlock, no stale layer."""
+    kv = paged_kv()
+    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    buffer = CpuBuffer(4, copier.slot_bytes, pin_memory=False)
+    copier.to_slots([1], [0], buffer)
+    want = {name: t[1].clone() for name, t in kv.items()}
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as helper:
+        helper.submit(gate.wait)  # the helper is busy until the forward is done
+        load = LayerwiseLoad(copier, buffer, [0], [7], LAYERS, helper)
+        for name in reversed(LAYERS):
+            load.wait(name)
+            assert torch.equal(kv[name][7], want[name]), name
+        gate.set()
+        load.finish()
+
+
+def test_a_failed_layer_copy_is_raised_in_the_forward():
+    kv = paged_kv()
+    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    buffer = CpuBuffer(4, copier.slot_bytes, pin_memory=False)
+    with ThreadPoolExecutor(1) as helper:
+        load = LayerwiseLoad(copier, buffer, [99], [7], LAYERS, helper)  # no such slot
+        with pytest.raises((IndexError, RuntimeError)):
+            load.finish()
+
+
+def make_worker(kv) -> TierCacheWorker:
+    slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
+    config = build_config({"cpu": {"capacity": 8 * slot_bytes}})
+    spec = KVSpec("m", "", "float32", "auto", 32, "cpu", len(kv), 2, 16, 1, 0, "t", slot_bytes)
+    worker = TierCacheWorker(
+        config, spec, "digest", NUM_BLOCKS, tp_rank=0, writes_lower_tiers=True, disk_share=0
+    )
+    worker.register_kv_caches(kv, slot_bytes)
+    return worker
+
+
+def cpu_hit(slots, gpu_blocks) -> TierCacheMetadata:
+    pairs = enumerate(zip(slots, gpu_blocks, strict=True))
+    ops = [BlockOp(bytes([i]) * 32, gpu, slot, "cpu") for i, (slot, gpu) in pairs]
+    return TierCacheMetadata(write_backs=[], loads=[LoadJob("r", ops, False)], stores=[])
+
+
+def empty_step() -> TierCacheMetadata:
+    return TierCacheMetadata(write_backs=[], loads=[], stores=[])
+
+
+def forward(worker, meta, layers, check=None) -> None:
+    """What vLLM does in one step: start loads, each attention layer, then save."""
+    worker.start_load_kv(meta)
+    for name in layers:
+        worker.wait_for_layer(name)
+        if check:
+            check(name)
+    worker.wait_for_save(meta)
+
+
+def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for():
+    kv = paged_kv()
+    worker = make_worker(kv)
+    worker.copier.to_slots([0, 1], [3, 4], worker.buffer)
+    want = {name: t[[0, 1]].clone() for name, t in kv.items()}
+    try:
+        # A forward that skips a layer's hook: loads must stay whole before the forward.
+        forward(worker, empty_step(), LAYERS[:-1])
+        assert worker._layer_order is None
+        meta = cpu_hit([3, 4], [8, 9])
+        worker.start_load_kv(meta)
+        assert worker._layerwise is None
+        assert all(torch.equal(kv[n][[8, 9]], want[n]) for n in LAYERS)  # in place already
+        worker.wait_for_save(meta)
+
+        forward(worker, empty_step(), LAYERS)  # every layer's hook ran: learnt
+        assert worker._layer_order == LAYERS
+
+        def in_place(name):
+            assert torch.equal(kv[name][[12, 13]], want[name]), name
+
+        forward(worker, cpu_hit([3, 4], [12, 13]), LAYERS, check=in_place)
+        events = worker.take_worker_meta().events
+        assert events[(RELEASED, 3)] == 2 and events[(RELEASED, 4)] == 2  # once per load
+        assert worker.take_worker_meta() is None
+    finally:
+        worker.shutdown()
+
+
+def test_a_lost_block_in_a_layerwise_hit_is_reported_and_the_rest_loaded():
+    kv = paged_kv()
+    worker = make_worker(kv)
+    worker.copier.to_slots([0], [2], worker.buffer)
+    try:
+        forward(worker, empty_step(), LAYERS)
+        ops = [BlockOp(b"a" * 32, 5, 2, "cpu"), BlockOp(b"b" * 32, 6, -1, "")]
+        meta = TierCacheMetadata(write_backs=[], loads=[LoadJob("r", ops, False)], stores=[])
+        forward(worker, meta, LAYERS)
+        assert worker.take_failed_blocks() == {6}
+        assert all(torch.equal(kv[n][5], kv[n][0]) for n in LAYERS)
+    finally:
+        worker.shutdown()
+
+
+PLACEMENT = textwrap.dedent(
+    """
+    import os, threading, json
+    from concurrent.futures import ThreadPoolExecutor
+    from tiercache.threads import background_thread, helper_thread
+    os.sched_setaffinity(0, {0})  # what vLLM's CPU backend does to a worker
+    def where():
+        return sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    out = {"main": where()}
+    for name, init in (("background", background_thread), ("helper", helper_thread)):
+        with ThreadPoolExecutor(1, initializer=init) as pool:
+            out[name] = pool.submit(where).result()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to have a spare one")
+def test_background_threads_leave_the_compute_core_and_yield():
+    import json
+
+    run = subprocess.run([sys.executable, "-c", PLACEMENT], capture_output=True, text=True, check=True)
+    out = json.loads(run.stdout)
+    spare = sorted(set(range(os.cpu_count())) - {0})
+    assert out["main"][0] == [0]
+    assert out["background"] == [spare, min(19, out["main"][1] + 10)]
+    assert out["helper"] == [spare, out["main"][1]]
