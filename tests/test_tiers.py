@@ -241,6 +241,42 @@ def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
     assert len(tier) == 0 and not list(tmp_path.rglob(f"{TMP_PREFIX}*"))
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 1 MiB filesystem (tmpfs) that fills up. Mounting needs root, which the
+    test command's machines have."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"a real full disk needs a small tmpfs, and mount refused: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_tier_on_a_really_full_filesystem_drops_stores_and_keeps_serving(small_filesystem):
+    tier = DiskTier(small_filesystem, 1 << 30)  # the tier thinks it has room; the disk does not
+    before = errors("disk", "disk_full")
+    stored = {}
+    for i in range(40):  # 40 objects of 68 KiB into 1 MiB
+        data = payload(i)
+        if tier.put(key_of(i), memoryview(data), header_for(key_of(i), data)):
+            stored[i] = data
+    assert 5 < len(stored) < 40
+    assert errors("disk", "disk_full") >= before + 40 - len(stored)
+    assert not list(small_filesystem.rglob(f"{TMP_PREFIX}*"))  # no partial object left behind
+    assert len(tier) == len(stored)
+    for i, data in stored.items():
+        assert read(tier, i) == data
+    # Room made (as eviction would): stores work again.
+    for i in list(stored)[:3]:
+        tier.delete(key_of(i))
+    assert tier.put(key_of(99), memoryview(payload(99)), header_for(key_of(99), payload(99)))
+    assert read(tier, 99) == payload(99)
+
+
 def test_disk_reads_objects_written_by_other_safetensors_writers(tmp_path):
     """Objects whose pages do not start at 4 KiB (another writer, an older version)
     are still read, through the slower path."""
