@@ -15,12 +15,17 @@ app = typer.Typer(
     help="tiercache: a tiered KV-cache for vLLM (CPU, local NVMe and S3 tiers, Redis index).",
     no_args_is_help=True,
     add_completion=False,
+    # Markdown reflows the docstrings' wrapped lines; a blank line starts a paragraph.
+    rich_markup_mode="markdown",
 )
-config_app = typer.Typer(help="Check a configuration file.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Check a configuration file.", no_args_is_help=True, rich_markup_mode="markdown"
+)
 app.add_typer(config_app, name="config")
 console = Console()
 err = Console(stderr=True)
 
+CONFIG_HELP = "YAML config (the same schema as the connector's); absent: defaults and TIERCACHE_* variables."
 EXIT_BAD_CONFIG = 2
 EXIT_UNAVAILABLE = 3
 
@@ -125,7 +130,7 @@ def serve(
         "--config",
         "-c",
         envvar="TIERCACHE_CONFIG",
-        help="YAML config (the same schema as the connector's).",
+        help=CONFIG_HELP,
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on."),
@@ -140,8 +145,8 @@ def serve(
 
 @app.command()
 def stats(
-    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG"),
-    as_json: bool = typer.Option(False, "--json"),
+    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG", help=CONFIG_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Objects and bytes per namespace and tier, from Redis and the disk tier.
     Exit 3 if Redis or S3 could not be read."""
@@ -167,7 +172,7 @@ def stats(
 
 @app.command()
 def gc(
-    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG"),
+    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG", help=CONFIG_HELP),
     sweep_orphans: bool = typer.Option(True, help="Also delete S3 objects with no index entry."),
 ) -> None:
     """One pass of the S3 garbage collector: keep each namespace under s3.capacity by
@@ -185,7 +190,7 @@ def gc(
 def inspect(
     target: str = typer.Argument(
         None,
-        help="A .safetensors object file, or an object key '<digest>/<block hash hex>' to look up.",
+        help="A .safetensors object file, or an object key `DIGEST/BLOCKHASH` (hex) to look up.",
     ),
     prompt: str = typer.Option(
         None,
@@ -193,7 +198,7 @@ def inspect(
         help="Token ids (comma-separated, or @FILE holding a JSON list): show where its cached prefix lives.",
     ),
     block_size: int = typer.Option(32, "--block-size", min=1, help="vLLM's block size, with --prompt."),
-    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG"),
+    config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG", help=CONFIG_HELP),
 ) -> None:
     """Show what an object is (header, checksum check), where a key lives, or how much
     of a prompt's prefix is cached in which tier."""
