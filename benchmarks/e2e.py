@@ -357,76 +357,88 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     return summarize_ttft(engines, lengths, args)
 
 
-def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[str, Any]:
-    def by(engine: str, label: str) -> dict[tuple[int, int], dict]:
-        out = {}
-        for r in engines[engine]["results"]:
-            kind, n, rep = r["name"].split("/")
-            if kind == label:
-                out[(int(n), int(rep))] = r
-        return out
+def results_by(engines: dict[str, Any], engine: str, label: str) -> dict[tuple[int, int], dict]:
+    """One engine's results for requests named `label/<length>/<repeat>`."""
+    out = {}
+    for r in engines.get(engine, {}).get("results", []):
+        kind, n, rep = r["name"].split("/")
+        if kind == label:
+            out[(int(n), int(rep))] = r
+    return out
 
-    def ttft(r: dict) -> float:
-        return r["metrics"]["first_token_latency"] if r.get("metrics") else r["seconds"]
 
-    reference = by("none", "cold")
-    rows = {
-        "cold (no connector)": ("none", "cold"),
-        "tiercache cold (storing)": ("tiercache", "cold"),
-        "vLLM prefix cache hit": ("prefix_cache", "hit"),
-        "ExampleConnector hit (same engine)": ("example", "hit"),
-        "ExampleConnector hit (fresh engine)": ("example_fresh", "hit"),
-        "tiercache CPU hit (same engine, write-through in flight)": ("tiercache", "hit"),
-        "tiercache CPU hit (after disk promote, quiet)": ("tiercache_disk", "hit2"),
-        "tiercache disk hit (fresh engine)": ("tiercache_disk", "hit"),
-        "tiercache S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
-        "tiercache CPU hit (after S3 promote, quiet)": ("tiercache_s3", "hit2"),
-    }
+def ttft(r: dict) -> float:
+    return r["metrics"]["first_token_latency"] if r.get("metrics") else r["seconds"]
+
+
+def summarize_rows(
+    engines: dict[str, Any], rows: dict[str, tuple[str, str]], lengths: list[int], decode_engines
+) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
+    """Per table row (engine, request label) and prompt length: the median TTFT, the
+    cached tokens, and the largest first-step logprob gap against the cold run of the
+    same prompt in the "none" engine; and the decode rate of each engine's cold runs."""
+    reference = results_by(engines, "none", "cold")
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for row, (eng, label) in rows.items():
-        got = by(eng, label)
+        got = results_by(engines, eng, label)
+        if not got:
+            continue
         table[row] = {}
         for n in lengths:
-            sample = [got[k] for k in sorted(got) if k[0] == n]
-            if not sample:
+            keys = [k for k in sorted(got) if k[0] == n]
+            if not keys:
                 continue
-            gaps = [
-                logprob_gap(r["top_logprobs"], reference[(n, rep)]["top_logprobs"])
-                for (nn, rep), r in sorted(got.items())
-                if nn == n
-            ]
-            top_same = [
-                r["token_ids"][:1] == reference[(n, rep)]["token_ids"][:1]
-                for (nn, rep), r in sorted(got.items())
-                if nn == n
-            ]
+            sample = [got[k] for k in keys]
             table[row][n] = {
                 "ttft_median": median([ttft(r) for r in sample]),
                 "ttft_all": [ttft(r) for r in sample],
                 "cached_tokens": [r["num_cached_tokens"] for r in sample],
-                "max_logprob_gap": max(gaps),
-                "first_token_same": all(top_same),
+                "max_logprob_gap": max(
+                    logprob_gap(got[k]["top_logprobs"], reference[k]["top_logprobs"]) for k in keys
+                ),
+                "first_token_same": all(
+                    got[k]["token_ids"][:1] == reference[k]["token_ids"][:1] for k in keys
+                ),
                 "foreign_cores": [r.get("foreign_cores") for r in sample],
             }
     decode = {}
-    for eng in ("none", "tiercache"):
+    for eng in decode_engines:
         rates = [
             (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
-            for r in by(eng, "cold").values()
+            for r in results_by(engines, eng, "cold").values()
             if r.get("metrics") and r["metrics"]["decode_seconds"] > 0
         ]
         decode[eng] = {"tokens_per_s_median": median(rates), "all": rates}
+    return table, decode
+
+
+TTFT_ROWS = {
+    "cold (no connector)": ("none", "cold"),
+    "tiercache cold (storing)": ("tiercache", "cold"),
+    "vLLM prefix cache hit": ("prefix_cache", "hit"),
+    "ExampleConnector hit (same engine)": ("example", "hit"),
+    "ExampleConnector hit (fresh engine)": ("example_fresh", "hit"),
+    "tiercache CPU hit (same engine, write-through in flight)": ("tiercache", "hit"),
+    "tiercache CPU hit (after disk promote, quiet)": ("tiercache_disk", "hit2"),
+    "tiercache disk hit (fresh engine)": ("tiercache_disk", "hit"),
+    "tiercache S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
+    "tiercache CPU hit (after S3 promote, quiet)": ("tiercache_s3", "hit2"),
+}
+
+
+def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[str, Any]:
+    table, decode = summarize_rows(engines, TTFT_ROWS, lengths, ("none", "tiercache"))
     # Ratios taken inside one engine, prompt by prompt (robust to other load on the
     # machine): a lower-tier hit against the CPU hit of the same prompt right after.
     paired = {}
     for eng in ("tiercache_disk", "tiercache_s3"):
-        first, second = by(eng, "hit"), by(eng, "hit2")
+        first, second = results_by(engines, eng, "hit"), results_by(engines, eng, "hit2")
         paired[eng] = {
             n: median([ttft(first[k]) / ttft(second[k]) for k in sorted(first) if k[0] == n and k in second])
             for n in lengths
         }
     extra = {"paired_lower_tier_vs_cpu_hit": paired}
-    cold8k = by("none", "cold8k")
+    cold8k = results_by(engines, "none", "cold8k")
     if cold8k:
         extra["cold_8k_seconds"] = ttft(next(iter(cold8k.values())))
     return {
@@ -510,8 +522,11 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"machine": machine(), "args": vars(args), "engines": {}}
     with local_stack("tiercache-store") as (redis_server, s3):
+        # "example": vLLM's ExampleConnector storing the same prompts, the cost of any
+        # connector in vLLM's step; "none" is the baseline of every ratio.
         configs = {
             "none": None,
+            "example": "example",
             "cpu": {},
             "cpu+disk": {"disk": {"path": str(work / "store-disk-a")}},
             "cpu+disk+s3": {
@@ -522,10 +537,12 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             },
         }
         for name, extra in configs.items():
-            for d in ("store-disk-a", "store-disk-b"):
+            for d in ("store-disk-a", "store-disk-b", "store-example"):
                 shutil.rmtree(work / d, ignore_errors=True)
             engine_spec = dict(spec)
-            if extra is not None:
+            if extra == "example":
+                engine_spec["kv_transfer_config"] = example_kv(work / "store-example")
+            elif extra is not None:
                 engine_spec["kv_transfer_config"] = tiercache_kv(
                     {"cpu": {"capacity": args.cpu_capacity}, **extra}
                 )
@@ -835,6 +852,9 @@ def plot(args: argparse.Namespace) -> None:
     plot_more(plt)
 
 
+STORE_LABELS = {"none": "no connector", "example": "ExampleConnector"}
+
+
 def plot_more(plt) -> None:
     store_file = RESULTS / "store.json"
     if store_file.exists():
@@ -842,15 +862,15 @@ def plot_more(plt) -> None:
         names = list(data["engines"])
         fig, ax = plt.subplots(figsize=(7, 3.8))
         xs = range(len(names))
-        ttft = [data["engines"][n]["ttft_vs_none"] for n in names]
+        ttft_ratios = [data["engines"][n]["ttft_vs_none"] for n in names]
         dec = [data["engines"][n]["decode_vs_none"] for n in names]
-        b1 = ax.bar([x - 0.2 for x in xs], ttft, width=0.4, label="cold TTFT / no connector")
+        b1 = ax.bar([x - 0.2 for x in xs], ttft_ratios, width=0.4, label="cold TTFT / no connector")
         b2 = ax.bar([x + 0.2 for x in xs], dec, width=0.4, label="decode tokens/s / no connector")
         ax.bar_label(b1, fmt="%.2f", fontsize=8)
         ax.bar_label(b2, fmt="%.2f", fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(
-            list(xs), ["no connector" if n == "none" else f"tiercache {n}" for n in names], fontsize=8
+            list(xs), [STORE_LABELS.get(n, f"tiercache\n{n}") for n in names], fontsize=8
         )
         ax.set_ylim(0, 1.35)
         ax.set_ylabel("ratio to no connector (median)")

@@ -79,10 +79,10 @@ from e2e import (  # noqa: E402
     CpuMonitor,
     engine_env,
     loadavg,
-    logprob_gap,
     machine,
     median,
     prompt,
+    summarize_rows,
     write_model,
 )
 
@@ -318,49 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(engines: dict[str, Any], lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    def by(engine: str, label: str) -> dict[tuple[int, int], dict]:
-        out = {}
-        for r in engines.get(engine, {}).get("results", []):
-            kind, n, rep = r["name"].split("/")
-            if kind == label:
-                out[(int(n), int(rep))] = r
-        return out
-
-    def ttft(r: dict) -> float:
-        return r["metrics"]["first_token_latency"] if r.get("metrics") else r["seconds"]
-
-    reference = by("none", "cold")
-    table: dict[str, dict[int, dict[str, Any]]] = {}
-    for row, (eng, label) in ROWS.items():
-        got = by(eng, label)
-        if not got:
-            continue
-        table[row] = {}
-        for n in lengths:
-            keys = [k for k in sorted(got) if k[0] == n]
-            if not keys:
-                continue
-            sample = [got[k] for k in keys]
-            table[row][n] = {
-                "ttft_median": median([ttft(r) for r in sample]),
-                "ttft_all": [ttft(r) for r in sample],
-                "cached_tokens": [r["num_cached_tokens"] for r in sample],
-                "max_logprob_gap": max(
-                    logprob_gap(got[k]["top_logprobs"], reference[k]["top_logprobs"]) for k in keys
-                ),
-                "first_token_same": all(
-                    got[k]["token_ids"][:1] == reference[k]["token_ids"][:1] for k in keys
-                ),
-                "foreign_cores": [r.get("foreign_cores") for r in sample],
-            }
-    decode = {}
-    for eng in ("none", "lmcache"):
-        rates = [
-            (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
-            for r in by(eng, "cold").values()
-            if r.get("metrics") and r["metrics"]["decode_seconds"] > 0
-        ]
-        decode[eng] = {"tokens_per_s_median": median(rates), "all": rates}
+    table, decode = summarize_rows(engines, ROWS, lengths, ("none", "lmcache"))
     checks = []
     for row in HIT_ROWS:
         for n, v in table.get(row, {}).items():
