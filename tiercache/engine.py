@@ -22,7 +22,7 @@ from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.threads import background_thread, helper_thread
+from tiercache.threads import background_thread
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
@@ -110,13 +110,15 @@ class TierEngine:
         )
         self.s3 = s3 if s3 is not None else (S3Tier(config.s3) if config.s3 else None)
         movers = config.movers
-        # Write-down is background work; staging is waited on by a request.
+        # Write-down is background work: off the model's cores, at a lower priority.
+        # Staging stays where the worker runs: a request waits on it, and it takes and
+        # drops the interpreter lock many times per object, which costs far more from
+        # another core while the worker's own thread spins (an A/B on a disk hit:
+        # 0.47 s moved, 0.37 s not).
         self._movers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
         )
-        self._stagers = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-stage", initializer=helper_thread
-        )
+        self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
         self._queue_limit = movers.queue_depth
         self._queued = 0
         self._queue_lock = threading.Lock()

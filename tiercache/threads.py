@@ -8,6 +8,11 @@ throughput. These initializers move a pool's threads onto the cores the model do
 use, where there are any (the cores vLLM reserves for its scheduler and front end),
 and lower the priority of background work so that it yields to serving.
 
+Only threads that hold the interpreter lock for long stretches gain from another
+core: a thread that takes and drops it many times (staging a disk object: open, read,
+hash, close) waits up to the switch interval each time while the worker's own thread
+spins on its message queue from another core. Staging therefore stays put.
+
 On a GPU host the workers are not bound, so there is no spare core to move to and only
 the priority changes."""
 
@@ -55,6 +60,7 @@ def background_thread() -> None:
 
 
 def helper_thread() -> None:
-    """ThreadPoolExecutor initializer for work the current step waits on: off the
-    compute cores where possible, at normal priority."""
+    """ThreadPoolExecutor initializer for copies the current step waits on (a few
+    long ones, each run outside the interpreter lock): off the compute cores where
+    possible, at normal priority."""
     move_to_spare_cpus()

@@ -14,7 +14,6 @@ from botocore.exceptions import BotoCoreError, ClientError
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_ERRORS, timed
-from tiercache.threads import helper_thread
 from tiercache.tiers.format import (
     CorruptObject,
     ObjectHeader,
@@ -55,10 +54,7 @@ class S3Tier:
         self.config = config
         self.bucket = config.bucket
         self.client = client or make_client(config)
-        # Parallel GETs that a waiting request stages from.
-        self.pool = ThreadPoolExecutor(
-            config.max_concurrency, thread_name_prefix="tiercache-s3", initializer=helper_thread
-        )
+        self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
 
     def object_name(self, key: str) -> str:
         digest, block = split_key(key)
