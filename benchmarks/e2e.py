@@ -779,6 +779,10 @@ def plot(args: argparse.Namespace) -> None:
     if ttft_file.exists():
         data = json.loads(ttft_file.read_text())
         lengths = [str(n) for n in data["lengths"]]
+        peer_file = RESULTS / "lmcache.json"
+        if peer_file.exists():  # LMCache's hits, measured by lmcache_peer.py right after
+            peer = json.loads(peer_file.read_text())["table"]
+            data["table"].update({f"{r} [own run]": v for r, v in peer.items() if r.startswith("LMCache")})
         rows = [r for r in data["table"] if "cold" not in r]
         cold = data["table"]["cold (no connector)"]
         colds = ", ".join(f"{n}: {cold[n]['ttft_median']:.1f} s" for n in lengths if n in cold)
