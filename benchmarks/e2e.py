@@ -202,6 +202,92 @@ def save(name: str, data: dict[str, Any]) -> Path:
 # -- TTFT -----------------------------------------------------------------------------
 
 
+def request(name: str, ids: list[int], max_tokens: int = 1) -> dict[str, Any]:
+    return {"name": name, "ids": ids, "max_tokens": max_tokens}
+
+
+class Requests:
+    """What each TTFT engine is asked, the same prompts in every engine (and in
+    lmcache_peer.py): unrelated warm-ups, then the measured prompts, named
+    `label/<length>/<repeat>`, distinct per (length, repeat)."""
+
+    def __init__(self, lengths: list[int], repeats: int):
+        self.prompts = {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(repeats)}
+        self.warm_a, self.warm_b = prompt(1, 64), prompt(2, 512)
+        self.stored_warm = prompt(3, 256)  # stored by each storing engine, hit by the fresh ones
+
+    def warm(self, hit: bool, stored: bool = False) -> list[dict[str, Any]]:
+        """Unrelated warm-up requests; with `hit` one again (a hit in a caching
+        engine); with `stored` the prompt storing engines store (in a fresh engine, a
+        hit from a lower tier)."""
+        out = [request("warm", self.warm_a), request("warm", self.warm_b)]
+        if hit:
+            out.append(request("warm", self.warm_b))
+        if stored:
+            out.append(request("warm", self.stored_warm))
+        return out
+
+    def colds(self, max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
+        items = []
+        for (n, r), ids in self.prompts.items():
+            items.append(request(f"cold/{n}/{r}", ids, max_tokens))
+            if then_hit:
+                items.append(request(f"hit/{n}/{r}", ids))
+        return items
+
+    def hits(self, twice: bool = False) -> list[dict[str, Any]]:
+        items = []
+        for (n, r), ids in self.prompts.items():
+            items.append(request(f"hit/{n}/{r}", ids))
+            if twice:
+                items.append(request(f"hit2/{n}/{r}", ids))
+        return items
+
+
+class EngineRunner:
+    """Runs each engine in a fresh vLLM process and keeps what it measured: the
+    requests apart from the warm-ups, each with the load other work put on the
+    machine meanwhile, and the engine's start-up and wall time. What is kept is also
+    written to `partial`, so that it survives a later engine's failure."""
+
+    def __init__(self, base_spec: dict[str, Any], runs_dir: Path, env: dict[str, str], partial: Path):
+        self.base_spec, self.runs_dir, self.env, self.partial = base_spec, runs_dir, env, partial
+        self.engines: dict[str, Any] = {}
+        self.monitor = CpuMonitor()
+
+    def run(self, name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
+        from tiercache.testing.vllm_runner import run_engine
+
+        measured = sum(1 for i in items if i["name"] != "warm")
+        print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {measured} measured requests", flush=True)
+        began = time.perf_counter()
+        load_before = loadavg()
+        out = run_engine(
+            {**self.base_spec, **spec, "prompts": items}, self.runs_dir, env=self.env, timeout=3600
+        )
+        wall = time.perf_counter() - began
+        for r in out["results"]:
+            if "started_at" in r:
+                until = r["started_at"] + r["seconds"]
+                r["foreign_cores"] = self.monitor.foreign_cores(r["started_at"], until)
+        results = [r for r in out["results"] if r["name"] != "warm"]
+        self.engines[name] = {
+            "startup_seconds": out["startup_seconds"],
+            "wall_seconds": wall,
+            "results": results,
+            "warm": [r for r in out["results"] if r["name"] == "warm"],
+            # Other work on the machine skews timings: the 1-minute load before and after.
+            "loadavg": [load_before, loadavg()],
+            "log": out.get("log"),
+        }
+        print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
+        self.partial.write_text(json.dumps(self.engines))
+        return results
+
+    def stop(self) -> None:
+        self.monitor.stop()
+
+
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's CPU backend keeps cores for its scheduler process: one without a KV
     connector, one more with any connector (meant for NIXL). On a 2-core machine that
@@ -227,12 +313,10 @@ def example_kv(path: Path) -> dict[str, Any]:
 
 def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     from tiercache.testing.servers import local_stack
-    from tiercache.testing.vllm_runner import run_engine
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
     model = str(write_model(work / "model"))
-    runs_dir = work / "runs"
     longest = max(lengths + ([8000] if args.cold_8k else []))
     base_spec = {
         "model": model,
@@ -240,76 +324,13 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.kv_fraction,
         "log_stats": True,
     }
-    # Distinct prompts per (length, repeat), the same in every engine.
-    prompts = {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(args.repeats)}
+    asks = Requests(lengths, args.repeats)
     decode = args.decode_tokens
-
-    def item(name: str, ids: list[int], max_tokens: int = 1) -> dict[str, Any]:
-        return {"name": name, "ids": ids, "max_tokens": max_tokens}
-
-    warm_a, warm_b = prompt(1, 64), prompt(2, 512)
-
-    def warm(hit: bool, stored: list[int] | None = None) -> list[dict[str, Any]]:
-        """Unrelated warm-up requests; with `hit` the same prompt again (a hit in a
-        caching engine); with `stored` a prompt an earlier engine stored (a hit from
-        a lower tier in a fresh engine)."""
-        out = [item("warm", warm_a), item("warm", warm_b)]
-        if hit:
-            out.append(item("warm", warm_b))
-        if stored is not None:
-            out.append(item("warm", stored))
-        return out
-
-    stored_warm = prompt(3, 256)  # stored by each storing engine, hit by the fresh ones
-    engines: dict[str, Any] = {}
-    monitor = CpuMonitor()
-
-    def engine(name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
-        print(
-            f"[{time.strftime('%H:%M:%S')}] engine {name}: {sum(1 for i in items if i['name'] != 'warm')} "
-            "measured requests",
-            flush=True,
-        )
-        began = time.perf_counter()
-        load_before = loadavg()
-        out = run_engine(
-            {**base_spec, **spec, "prompts": items}, runs_dir, env=engine_env(args), timeout=3600
-        )
-        wall = time.perf_counter() - began
-        for r in out["results"]:
-            if "started_at" in r:
-                r["foreign_cores"] = monitor.foreign_cores(r["started_at"], r["started_at"] + r["seconds"])
-        results = [r for r in out["results"] if r["name"] != "warm"]
-        engines[name] = {
-            "startup_seconds": out["startup_seconds"],
-            "wall_seconds": wall,
-            "results": results,
-            "warm": [r for r in out["results"] if r["name"] == "warm"],
-            # Other work on the machine skews timings: the 1-minute load before and after.
-            "loadavg": [load_before, loadavg()],
-        }
-        print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
-        (work / "partial.json").write_text(json.dumps(engines))  # survives a later failure
-        return results
-
-    def colds(max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
-        items = []
-        for (n, r), ids in prompts.items():
-            items.append(item(f"cold/{n}/{r}", ids, max_tokens))
-            if then_hit:
-                items.append(item(f"hit/{n}/{r}", ids))
-        return items
-
-    def hits(label: str = "hit", twice: bool = False) -> list[dict[str, Any]]:
-        items = []
-        for (n, r), ids in prompts.items():
-            items.append(item(f"{label}/{n}/{r}", ids))
-            if twice:
-                items.append(item(f"hit2/{n}/{r}", ids))
-        return items
+    runner = EngineRunner(base_spec, work / "runs", engine_env(args), work / "partial.json")
+    engine, warm, colds, hits = runner.run, asks.warm, asks.colds, asks.hits
 
     # 1. No connector, no prefix cache: cold TTFT and decode rate (the baseline of all).
-    extra_cold = [item("cold8k/8000/0", prompt(8, 8000))] if args.cold_8k else []
+    extra_cold = [request("cold8k/8000/0", prompt(8, 8000))] if args.cold_8k else []
     engine("none", warm(False) + colds(decode, False) + extra_cold)
     # 2. vLLM's own prefix cache: the floor.
     engine("prefix_cache", warm(True) + colds(1, True), enable_prefix_caching=True)
@@ -318,10 +339,10 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(example_dir, ignore_errors=True)
     engine(
         "example",
-        warm(True) + [item("warm", stored_warm)] + colds(1, True),
+        warm(True, stored=True) + colds(1, True),
         kv_transfer_config=example_kv(example_dir),
     )
-    engine("example_fresh", warm(False, stored_warm) + hits(), kv_transfer_config=example_kv(example_dir))
+    engine("example_fresh", warm(False, stored=True) + hits(), kv_transfer_config=example_kv(example_dir))
 
     # 4. tiercache with every tier (CPU + disk + Redis/S3, write-through).
     disk_full, disk_empty = work / "disk-full", work / "disk-empty"
@@ -336,25 +357,25 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         }
         engine(
             "tiercache",
-            warm(True) + [item("warm", stored_warm)] + colds(decode, True),
+            warm(True, stored=True) + colds(decode, True),
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}),
         )
         # 5. A fresh engine, disk tier only: disk hits, then the same prompt again
         #    (now a CPU hit, with no write-through in flight).
         engine(
             "tiercache_disk",
-            warm(False, stored_warm) + hits("hit", twice=True),
+            warm(False, stored=True) + hits(twice=True),
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}}),
         )
         # 6. A fresh engine with an empty disk: S3 hits (via one Redis lookup).
         engine(
             "tiercache_s3",
-            warm(False, stored_warm) + hits("hit", twice=True),
+            warm(False, stored=True) + hits(twice=True),
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}),
         )
 
-    monitor.stop()
-    return summarize_ttft(engines, lengths, args)
+    runner.stop()
+    return summarize_ttft(runner.engines, lengths, args)
 
 
 def results_by(engines: dict[str, Any], engine: str, label: str) -> dict[tuple[int, int], dict]:

@@ -76,12 +76,11 @@ from e2e import (  # noqa: E402
     LOGPROB_TOLERANCE,
     MODEL,
     RESULTS,
-    CpuMonitor,
+    EngineRunner,
+    Requests,
     engine_env,
-    loadavg,
     machine,
     median,
-    prompt,
     summarize_rows,
     write_model,
 )
@@ -220,71 +219,22 @@ def versions() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import run_engine
-
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
     model_dir = write_model(work / "model")
     out_dir = work / "lmcache"
-    runs_dir = out_dir / "runs"
     base_spec = {
         "model": str(model_dir),
         "max_model_len": max(lengths) + args.decode_tokens + 64,
         "gpu_memory_utilization": args.kv_fraction,
         "log_stats": True,
     }
-    prompts = {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(args.repeats)}
+    asks = Requests(lengths, args.repeats)  # e2e.py's prompts and warm-ups
     decode = args.decode_tokens
+    out_dir.mkdir(parents=True, exist_ok=True)
     env = {**engine_env(args), **QUIET}
-
-    def item(name: str, ids: list[int], max_tokens: int = 1) -> dict[str, Any]:
-        return {"name": name, "ids": ids, "max_tokens": max_tokens}
-
-    # e2e.py's warm-ups, the same prompts.
-    warm_a, warm_b = prompt(1, 64), prompt(2, 512)
-    stored_warm = prompt(3, 256)
-
-    def warm(hit: bool, stored: list[int] | None = None) -> list[dict[str, Any]]:
-        out = [item("warm", warm_a), item("warm", warm_b)]
-        if hit:
-            out.append(item("warm", warm_b))
-        if stored is not None:
-            out.append(item("warm", stored))
-        return out
-
-    def colds(max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
-        items = []
-        for (n, r), ids in prompts.items():
-            items.append(item(f"cold/{n}/{r}", ids, max_tokens))
-            if then_hit:
-                items.append(item(f"hit/{n}/{r}", ids))
-        return items
-
-    def hits() -> list[dict[str, Any]]:
-        return [item(f"hit/{n}/{r}", ids) for (n, r), ids in prompts.items()]
-
-    engines: dict[str, Any] = {}
-    monitor = CpuMonitor()
-
-    def engine(name: str, items: list[dict[str, Any]], **spec: Any) -> None:
-        measured = sum(1 for i in items if i["name"] != "warm")
-        print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {measured} measured requests", flush=True)
-        began = time.perf_counter()
-        load_before = loadavg()
-        out = run_engine({**base_spec, **spec, "prompts": items}, runs_dir, env=env, timeout=3600)
-        wall = time.perf_counter() - began
-        for r in out["results"]:
-            r["foreign_cores"] = monitor.foreign_cores(r["started_at"], r["started_at"] + r["seconds"])
-        engines[name] = {
-            "startup_seconds": out["startup_seconds"],
-            "wall_seconds": wall,
-            "results": [r for r in out["results"] if r["name"] != "warm"],
-            "warm": [r for r in out["results"] if r["name"] == "warm"],
-            "loadavg": [load_before, loadavg()],
-            "log": out["log"],
-        }
-        print(f"   startup {out['startup_seconds']:.1f}s, wall {wall:.1f}s", flush=True)
-        (out_dir / "partial.json").write_text(json.dumps(engines))
+    runner = EngineRunner(base_spec, out_dir / "runs", env, out_dir / "partial.json")
+    engine, warm, colds, hits = runner.run, asks.warm, asks.colds, asks.hits
 
     server_info: dict[str, Any] = {}
     try:
@@ -297,17 +247,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kv = lmcache_kv(server.port)
             engine(
                 "lmcache",
-                warm(True) + [item("warm", stored_warm)] + colds(decode, True),
+                warm(True, stored=True) + colds(decode, True),
                 kv_transfer_config=kv,
             )
             if args.fresh:
-                engine("lmcache_fresh", warm(False, stored_warm) + hits(), kv_transfer_config=kv)
+                engine("lmcache_fresh", warm(False, stored=True) + hits(), kv_transfer_config=kv)
             server_info["cpu_seconds"] = server.cpu_seconds()
         finally:
             server_info.update(command=server.command, log=str(server.log_path), exit_code=server.stop())
     finally:
-        monitor.stop()
-    data = summarize(engines, lengths, args)
+        runner.stop()
+    data = summarize(runner.engines, lengths, args)
     data["lmcache_server"] = server_info
     data["model"] = {
         **MODEL,
