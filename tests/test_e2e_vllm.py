@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.vllm_runner import connector_config, run_engine
+from tiercache.testing.vllm_runner import assert_same_output, connector_config, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 32
-TOLERANCE = 0.3
 rng = random.Random(1234)
 P1 = [rng.randrange(1, 2000) for _ in range(299)]  # 9 full blocks are loadable
 P2 = P1[: 4 * BLOCK] + [rng.randrange(1, 2000) for _ in range(200)]  # shares 4 blocks with P1
@@ -30,17 +29,6 @@ DEAD_S3 = "http://127.0.0.1:1"
 
 def prompts(*pairs):
     return [{"name": name, "ids": ids} for name, ids in pairs]
-
-
-def assert_same_output(got: dict, want: dict) -> None:
-    """Top-1 token agrees, or the two are a near-tie; shared top-k logprobs agree."""
-    shared = set(got["top_logprobs"]) & set(want["top_logprobs"])
-    assert len(shared) >= 3, (got, want)
-    for token in shared:
-        assert abs(got["top_logprobs"][token] - want["top_logprobs"][token]) < TOLERANCE, (token, got, want)
-    if got["token_ids"][0] != want["token_ids"][0]:
-        a, b = str(got["token_ids"][0]), str(want["token_ids"][0])
-        assert abs(want["top_logprobs"].get(a, -99) - want["top_logprobs"][b]) < TOLERANCE
 
 
 @pytest.fixture(scope="module")
