@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     distinct = len({b for chain in prompts for b in chain})
     weights = [1.0 / (i + 1) ** 0.8 for i in range(args.prompts)]
 
-    with local_stack(bucket="soak") as (redis_server, s3):
+    # moto in its own process: the RSS measured below is tiercache's, not the S3 store's.
+    with local_stack(bucket="soak", s3_process=True) as (redis_server, s3):
         config = build_config(
             {
                 "namespace": "soak",

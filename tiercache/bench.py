@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,38 +55,6 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _moto_process(bucket: str) -> Iterator[str]:
-    """moto's S3 server in its own process (as a real S3 endpoint would be), so it does
-    not share this process's interpreter lock with the clients being measured."""
-    from tiercache.testing.servers import _wait_port, create_bucket, free_port
-
-    for name, value in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-    ):
-        os.environ.setdefault(name, value)
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait_port(port, timeout=60)
-        url = f"http://127.0.0.1:{port}"
-        create_bucket(url, bucket)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@contextlib.contextmanager
 def _servers(stack: str, redis_url: str | None, s3_endpoint: str | None, bucket: str):
     if redis_url or s3_endpoint:
         if not (redis_url and s3_endpoint):
@@ -100,14 +68,10 @@ def _servers(stack: str, redis_url: str | None, s3_endpoint: str | None, bucket:
         raise ValueError(f"--stack must be 'local' (or give --redis and --s3-endpoint), got {stack!r}")
     from moto import __version__ as moto_version
 
-    from tiercache.testing.servers import RedisServer
+    from tiercache.testing.servers import local_stack
 
-    redis_server = RedisServer().start()
-    try:
-        with _moto_process(bucket) as url:
-            yield redis_server.url, url, f"moto {moto_version} S3 server (Python), own process, loopback"
-    finally:
-        redis_server.close()
+    with local_stack(bucket, s3_process=True) as (redis_server, s3):
+        yield redis_server.url, s3.url, f"moto {moto_version} S3 server (Python), own process, loopback"
 
 
 # -- helpers ----------------------------------------------------------------------------

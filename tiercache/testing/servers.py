@@ -1,5 +1,5 @@
 """Start real servers on free loopback ports: redis-server (the Debian package) and
-moto's threaded S3 server (a real HTTP endpoint)."""
+moto's S3 server (a real HTTP endpoint), in threads of this process or in its own."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager, suppress
@@ -90,10 +91,11 @@ class RedisServer:
 @dataclass
 class S3Endpoint:
     url: str
-    server: object
+    server: object | None  # a ThreadedMotoServer, or None for one in its own process
 
     def stop(self) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 def start_moto(port: int | None = None) -> S3Endpoint:
@@ -114,6 +116,37 @@ def start_moto(port: int | None = None) -> S3Endpoint:
     return S3Endpoint(url=f"http://127.0.0.1:{port}", server=server)
 
 
+@contextmanager
+def moto_process(bucket: str):
+    """moto's S3 server in a process of its own (as a real S3 endpoint would be), with
+    `bucket`: it shares neither the interpreter lock nor the memory of the process
+    that measures its clients. Yields the endpoint URL."""
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
+        os.environ.setdefault(name, value)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_port(port, timeout=60)
+        url = f"http://127.0.0.1:{port}"
+        create_bucket(url, bucket)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> None:
     import boto3
 
@@ -123,13 +156,21 @@ def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> 
 
 
 @contextmanager
-def local_stack(bucket: str = "tiercache"):
-    """redis-server and an S3 server with `bucket`, for the demo and benchmarks."""
+def local_stack(bucket: str = "tiercache", s3_process: bool = False):
+    """redis-server and an S3 server with `bucket`, for the demo and benchmarks. The
+    S3 server runs in this process's threads, or with `s3_process` in its own process
+    (then `.stop()` of the yielded endpoint does nothing: it ends with the block)."""
     redis_server = RedisServer().start()
-    s3 = start_moto()
     try:
-        create_bucket(s3.url, bucket)
-        yield redis_server, s3
+        if s3_process:
+            with moto_process(bucket) as url:
+                yield redis_server, S3Endpoint(url=url, server=None)
+            return
+        s3 = start_moto()
+        try:
+            create_bucket(s3.url, bucket)
+            yield redis_server, s3
+        finally:
+            s3.stop()
     finally:
-        s3.stop()
         redis_server.close()
