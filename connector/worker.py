@@ -143,27 +143,30 @@ class TierCacheWorker:
             # The slot is reused this step: write the old block down from a copy.
             data = bytes(self.buffer.view(slot))
             self.engine.write_down(block_hash, None, self._after_write, data=data)
-        cpu_hits: list[BlockOp] = []
+        cpu_hits: list[LoadJob] = []
         for job in meta.loads:
             if job.is_async:
                 staged = [(op.block_hash, op.slot, op.tier) for op in job.ops if op.tier in (DISK, S3)]
                 future = self.engine.stage_many(staged) if staged else None
                 self._async.append(_AsyncLoad(job, future, time.perf_counter()))
             else:
-                cpu_hits.extend(job.ops)
+                cpu_hits.append(job)
         if cpu_hits:
             self._load_cpu_hits(cpu_hits)
         self._poll_async()
 
-    def _load_cpu_hits(self, ops: list[BlockOp]) -> None:
+    def _load_cpu_hits(self, jobs: list[LoadJob]) -> None:
         """This step's hits wholly in the CPU tier: layer by layer beside the forward
         when that is known to be safe, else now, before the forward."""
         started = time.perf_counter()
         if self._layer_order is None or self._layer_helper is None:
-            self._finish_load(ops, staged_ok={})
+            for job in jobs:
+                self._finish_load(job.ops, staged_ok={})
             self._stats.observe_load(CPU, time.perf_counter() - started)
             return
-        good = self._good_prefix(ops, staged_ok={})
+        ops = [op for job in jobs for op in job.ops]
+        # Each request's prefix must be whole; one request's lost block fails only its own.
+        good = [op for job in jobs for op in self._good_prefix(job.ops, staged_ok={})]
         if not good:
             self._release(ops, staged_ok={})
             return

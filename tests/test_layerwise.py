@@ -180,3 +180,29 @@ def test_background_threads_leave_the_compute_core_and_yield():
     assert out["main"][0] == [0]
     assert out["background"] == [spare, min(19, out["main"][1] + 10)]
     assert out["helper"] == [spare, out["main"][1]]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["before the forward", "layer by layer"])
+def test_one_requests_lost_block_fails_only_that_requests_blocks(layerwise):
+    kv = paged_kv()
+    worker = make_worker(kv)
+    worker.copier.to_slots([0, 1, 2], [2, 3, 4], worker.buffer)
+    try:
+        if layerwise:
+            forward(worker, empty_step(), LAYERS)
+        first = [
+            BlockOp(b"a" * 32, 5, 2, "cpu"),
+            BlockOp(b"b" * 32, 6, -1, ""),  # lost since the lookup
+            BlockOp(b"c" * 32, 7, 3, "cpu"),
+        ]
+        second = [BlockOp(b"d" * 32, 8, 3, "cpu"), BlockOp(b"e" * 32, 9, 4, "cpu")]
+        loads = [LoadJob("r1", first, False), LoadJob("r2", second, False)]
+        forward(worker, TierCacheMetadata(write_backs=[], loads=loads, stores=[]), LAYERS)
+        assert worker.take_failed_blocks() == {6, 7}  # r1 from its lost block on; r2 whole
+        for name in LAYERS:
+            assert torch.equal(kv[name][5], kv[name][0])
+            assert torch.equal(kv[name][8], kv[name][1]) and torch.equal(kv[name][9], kv[name][2])
+        events = worker.take_worker_meta().events
+        assert all(events[(RELEASED, slot)] for slot in (2, 3, 4))
+    finally:
+        worker.shutdown()
