@@ -28,8 +28,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -688,39 +686,18 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
 # -- S3 GET throughput ----------------------------------------------------------------------
 
 
-def _moto_process():
-    """moto's S3 server in a process of its own, as a real endpoint would be, so the
-    clients measured here do not share its interpreter lock."""
-    from tiercache.testing.servers import _wait_port, create_bucket, free_port
-
-    for k, v in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-    ):
-        os.environ.setdefault(k, v)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_port(port, timeout=60)
-    url = f"http://127.0.0.1:{port}"
-    create_bucket(url, "bench")
-    return proc, url
-
-
 def run_s3(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from tiercache.config import S3TierConfig
     from tiercache.engine import ObjectShape
+    from tiercache.testing.servers import moto_process
     from tiercache.tiers.cpu import CpuBuffer
     from tiercache.tiers.s3 import S3Tier, make_client
 
-    proc, url = _moto_process()
-    try:
+    # moto in its own process, as a real endpoint would be: the clients measured here
+    # do not share its interpreter lock.
+    with moto_process("bench") as url:
         size = args.s3_object_mib * 2**20
         count = args.s3_objects
         shape = ObjectShape("c" * 16, "d" * 16, size)
@@ -781,9 +758,6 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
         writer.close()
         result["machine"] = machine()
         return result
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 # -- plots --------------------------------------------------------------------------------
