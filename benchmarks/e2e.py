@@ -295,6 +295,16 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
 
 
+def service_cpus(args: argparse.Namespace) -> set[int]:
+    """Where the stand-ins for remote services (moto's S3 server, redis-server) run:
+    the cores vLLM's CPU backend keeps out of the model's binding (the last
+    `--reserved-cpus` of them). A real S3 endpoint or Redis takes no CPU from the host
+    that runs the model; on a box this small that cannot be true, but they can at
+    least stay off the core the forward computes on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return set(allowed[-args.reserved_cpus :]) if 0 < args.reserved_cpus < len(allowed) else set()
+
+
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
     from tiercache.testing.vllm_runner import connector_config
 
@@ -347,7 +357,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     for d in (disk_full, disk_empty):
         shutil.rmtree(d, ignore_errors=True)
     cpu = {"capacity": args.cpu_capacity}
-    with local_stack("tiercache-bench") as (redis_server, s3):
+    with local_stack("tiercache-bench", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
         shared = {
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
@@ -534,13 +544,14 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             )
     spec = {
         "model": model,
-        "max_model_len": max(lengths) + args.decode_tokens + 64,
+        # The 512-token warm-up prompt must fit too.
+        "max_model_len": max([*lengths, 512]) + args.decode_tokens + 64,
         "gpu_memory_utilization": args.kv_fraction,
         "log_stats": True,
         "prompts": items,
     }
     out: dict[str, Any] = {"machine": machine(), "args": vars(args), "engines": {}}
-    with local_stack("tiercache-store") as (redis_server, s3):
+    with local_stack("tiercache-store", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
         # "example": vLLM's ExampleConnector storing the same prompts, the cost of any
         # connector in vLLM's step; "none" is the baseline of every ratio.
         configs = {
@@ -555,6 +566,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
                 "movers": {"shutdown_flush_seconds": 300},
             },
         }
+        if args.only:
+            configs = {name: configs[name] for name in args.only.split(",")}
         for name, extra in configs.items():
             for d in ("store-disk-a", "store-disk-b", "store-example"):
                 shutil.rmtree(work / d, ignore_errors=True)
@@ -585,8 +598,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
     monitor.stop()
-    base = out["engines"]["none"]
-    for e in out["engines"].values():
+    base = out["engines"].get("none")
+    for e in out["engines"].values() if base else []:
         e["ttft_vs_none"] = e["ttft_median"] / base["ttft_median"]
         e["decode_vs_none"] = e["decode_tokens_per_s_median"] / base["decode_tokens_per_s_median"]
     return out
@@ -868,9 +881,7 @@ def plot_more(plt) -> None:
         ax.bar_label(b1, fmt="%.2f", fontsize=8)
         ax.bar_label(b2, fmt="%.2f", fontsize=8)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks(
-            list(xs), [STORE_LABELS.get(n, f"tiercache\n{n}") for n in names], fontsize=8
-        )
+        ax.set_xticks(list(xs), [STORE_LABELS.get(n, f"tiercache\n{n}") for n in names], fontsize=8)
         ax.set_ylim(0, 1.35)
         ax.set_ylabel("ratio to no connector (median)")
         ax.set_title("Store path: 2000-token cold prompts, 32 tokens generated")
@@ -928,6 +939,7 @@ def main() -> None:
     parser.add_argument("--lookup-samples", type=int, default=300)
     parser.add_argument("--s3-objects", type=int, default=64)
     parser.add_argument("--s3-object-mib", type=int, default=2)
+    parser.add_argument("--only", default=None, help="store: run only these engines (comma separated)")
     parser.add_argument("--name", default=None, help="results file name (default: the subcommand)")
     args = parser.parse_args()
     name = args.name or args.what

@@ -107,7 +107,20 @@ class TierCacheWorker:
                 1, thread_name_prefix="tiercache-layers", initializer=helper_thread
             )
         num_slots = slots_for(self.config.cpu.capacity, copier.slot_bytes)
-        self.buffer = CpuBuffer(num_slots, copier.slot_bytes)
+        # In shared memory where the upload process will read it (see uploader.py).
+        uploads_apart = (
+            self.writes_lower_tiers
+            and self.config.s3 is not None
+            and self.config.movers.upload_process
+            and not copier.on_cuda
+        )
+        self.buffer = CpuBuffer(num_slots, copier.slot_bytes, shared=uploads_apart)
+        if uploads_apart and self.buffer.shared_name is None:
+            log.warning(
+                "tiercache: /dev/shm has less than the CPU tier's %d bytes free, so S3 uploads run "
+                "in the worker process (raise the container's shm size to move them out)",
+                num_slots * copier.slot_bytes,
+            )
         layout, dtype, shapes = copier.describe()
         shape = ObjectShape(self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes)
         self.engine = TierEngine(
@@ -118,13 +131,14 @@ class TierCacheWorker:
             on_disk_remove=self._on_disk_remove,
         )
         log.info(
-            "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s",
+            "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s%s",
             self.tp_rank,
             num_slots,
             copier.slot_bytes,
-            "pinned" if self.buffer.pinned else "pageable",
+            "pinned" if self.buffer.pinned else "shared" if self.buffer.shared_name else "pageable",
             self.engine.disk is not None,
             self.engine.s3 is not None,
+            f" (uploads from process {self.engine.uploads.pid})" if self.engine.uploads else "",
         )
 
     def _on_disk_remove(self, key: str) -> None:
@@ -318,3 +332,5 @@ class TierCacheWorker:
             self._layer_helper.shutdown(wait=True)
         if self.engine is not None:
             self.engine.close()
+        if self.buffer is not None:
+            self.buffer.close()

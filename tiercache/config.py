@@ -150,6 +150,11 @@ class MoverConfig(_Strict):
     queue_depth: int = Field(default=1024, ge=1, le=1_000_000)
     workers: int = Field(default=4, ge=1, le=64)
     shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
+    upload_process: bool = Field(
+        default=True,
+        description="in a vLLM worker on a host without CUDA, upload to S3 from a process of its own, "
+        "so that the forward never waits behind request signing for the interpreter lock",
+    )
 
 
 class TierCacheConfig(_Strict):

@@ -19,14 +19,16 @@ from pathlib import Path
 
 from tiercache.config import TierCacheConfig
 from tiercache.index import Deployment, RedisIndex
-from tiercache.leases import Claim, Leases, new_token
+from tiercache.leases import Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.threads import background_thread
+from tiercache.s3_writer import S3Writer
+from tiercache.threads import background_nice, background_thread, spare_cpus
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
+from tiercache.uploader import UploadProcess, UploadSetup
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,30 @@ class TierEngine:
             else None
         )
         self.s3 = s3 if s3 is not None else (S3Tier(config.s3) if config.s3 else None)
+        self.s3_writer: S3Writer | None = None
+        self.uploads: UploadProcess | None = None
+        if self.s3 is not None and self.leases is not None:
+            self.s3_writer = S3Writer(
+                self.s3,
+                self.leases,
+                shape.model_digest,
+                shape.rank_digest,
+                config.redis.write_lease_ttl,
+                closing=lambda: self._closed,
+            )
+            if buffer.shared_name is not None and s3 is None and config.movers.upload_process:
+                self.uploads = UploadProcess(
+                    UploadSetup(
+                        config,
+                        shape.model_digest,
+                        shape.rank_digest,
+                        buffer.shared_name,
+                        buffer.slot_bytes,
+                        buffer.num_slots,
+                        frozenset(spare_cpus()),
+                        background_nice(),
+                    )
+                )
         movers = config.movers
         # Write-down is background work: off the model's cores, at a lower priority.
         # Staging stays where the worker runs: a request waits on it, and it takes and
@@ -175,7 +201,10 @@ class TierEngine:
             if DISK in tiers:
                 result.stored[DISK] = self.disk.put(header.key, view, header)
             if S3 in tiers:
-                result.stored[S3] = self._upload(result.block_hash, view, header)
+                if self.uploads is not None:
+                    result.stored[S3] = self.uploads.upload(result.block_hash, result.slot, data, header)
+                else:
+                    result.stored[S3] = self._upload(result.block_hash, view, header)
         except Exception:  # a mover must survive anything a tier throws
             log.exception("write of block %s failed", result.block_hash.hex())
         finally:
@@ -189,36 +218,8 @@ class TierEngine:
                         self._idle.notify_all()
 
     def _upload(self, block_hash: bytes, view: memoryview, header: ObjectHeader) -> bool:
-        """Exactly one of many concurrent writers of a key uploads; the object is
-        indexed only after its PUT succeeded. The others wait for that (no longer
-        than the write lease lives) and take over if the holder gives up or dies, so
-        each writer's answer says whether the object really is in S3."""
-        model, rank = self.shape.model_digest, self.shape.rank_digest
-        token = new_token()
-        deadline = time.monotonic() + self.config.redis.write_lease_ttl
-        pause = 0.002
-        while True:
-            try:
-                claim = self.leases.claim_write(model, rank, block_hash, token)
-            except RedisUnavailable:
-                return False
-            if claim is Claim.PRESENT:
-                return True
-            if claim is Claim.ACQUIRED:
-                break
-            if self._closed or time.monotonic() + pause > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        uploaded = self.s3.put(header.key, view, header)
-        try:
-            if uploaded:
-                self.leases.publish(model, rank, block_hash, token)
-            else:
-                self.leases.release_write(model, rank, block_hash, token)
-        except RedisUnavailable:
-            return False  # uploaded but unindexed: invisible, and swept as an orphan
-        return uploaded
+        """Upload from this process (see S3Writer)."""
+        return self.s3_writer.upload(block_hash, view, header) if self.s3_writer is not None else False
 
     # -- read path ----------------------------------------------------------------
     def stage(self, block_hash: bytes, slot: int, tier: str) -> bool:
@@ -305,6 +306,8 @@ class TierEngine:
             )
         self._movers.shutdown(wait=flushed, cancel_futures=not flushed)
         self._stagers.shutdown(wait=False, cancel_futures=True)
+        if self.uploads is not None:
+            self.uploads.close()
         if self.s3 is not None:
             self.s3.close()
 

@@ -52,11 +52,32 @@ def background_thread() -> None:
     """ThreadPoolExecutor initializer for background work: off the compute cores and
     at a lower priority. Threads this thread starts inherit both."""
     move_to_spare_cpus()
+    run_at(set(), background_nice())
+
+
+def background_nice() -> int:
+    """The priority background work runs at, below the calling thread's."""
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (OSError, AttributeError):
+        nice = 0
+    return min(19, nice + BACKGROUND_NICE_INCREMENT)
+
+
+def run_at(cpus: set[int] | frozenset[int], nice: int) -> None:
+    """Bind the calling thread to `cpus` (if any) and set its nice value."""
+    run_on(threading.get_native_id(), cpus, nice)
+
+
+def run_on(tid: int, cpus: set[int] | frozenset[int], nice: int) -> None:
+    """Bind thread `tid` (a process's id is its main thread's) to `cpus` (if any) and
+    set its nice value, as far as the system allows; threads it starts later inherit
+    both. Linux applies a thread id given to setpriority to that thread alone."""
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cpus)
     with contextlib.suppress(OSError, AttributeError):
-        # Linux applies a thread id given to setpriority to that thread alone.
-        tid = threading.get_native_id()
-        nice = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + BACKGROUND_NICE_INCREMENT))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def helper_thread() -> None:

@@ -8,9 +8,12 @@ block, and each worker holds the bytes of its own TP shard in the same slot numb
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from multiprocessing import shared_memory
 
 import torch
 
@@ -130,18 +133,34 @@ class SlotAllocator:
 
 
 class CpuBuffer:
-    """`num_slots` x `slot_bytes` of host memory, allocated once."""
+    """`num_slots` x `slot_bytes` of host memory, allocated once.
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None):
+    With `shared`, the memory is a named POSIX shared-memory segment (`shared_name`)
+    that another process may map: the upload process reads blocks from it (see
+    tiercache/uploader.py). Shared memory is not page-locked, so `shared` is for hosts
+    without CUDA; it falls back to private memory (shared_name None) when /dev/shm
+    has too little room, since touching pages past its end would kill the process."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None, shared: bool = False):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = pin_memory
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
-        raw = torch.empty(num_slots * slot_bytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
-        offset = (-raw.data_ptr()) % ALIGN
-        self.tensor = raw[offset : offset + num_slots * slot_bytes].view(num_slots, slot_bytes)
+        self.shared_name: str | None = None
+        self._segment: shared_memory.SharedMemory | None = None
+        nbytes = num_slots * slot_bytes
+        if shared and not pin_memory and shm_room() >= nbytes:
+            # mmap'd, so already on a page boundary.
+            self._segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            self.shared_name = self._segment.name
+            self.tensor = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+            self.tensor = self.tensor.view(num_slots, slot_bytes)
+        else:
+            # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+            offset = (-raw.data_ptr()) % ALIGN
+            self.tensor = raw[offset : offset + nbytes].view(num_slots, slot_bytes)
         # Touch every page now so the first hit does not pay for page faults.
         self.tensor.zero_()
         self._array = self.tensor.numpy()
@@ -149,6 +168,22 @@ class CpuBuffer:
     def view(self, slot: int) -> memoryview:
         """A writable view of one slot's bytes for file and socket I/O (no copy)."""
         return memoryview(self._array[slot]).cast("B")
+
+    def close(self) -> None:
+        """Remove the shared segment's name (its memory goes with the last mapping)."""
+        if self._segment is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._segment.unlink()
+            self._segment = None
+
+
+def shm_room(path: str = "/dev/shm") -> int:
+    """Bytes free in the shared-memory filesystem (0 where there is none)."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
 
 
 def slots_for(capacity: int, slot_bytes: int) -> int:

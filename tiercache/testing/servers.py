@@ -36,7 +36,9 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 class RedisServer:
     """One redis-server process; stop() and start() keep its port, to test outages."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self, port: int | None = None, extra_args: tuple[str, ...] = (), cpus: set[int] | None = None
+    ):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -45,6 +47,7 @@ class RedisServer:
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = extra_args
+        self.cpus = cpus
         self.dir = tempfile.mkdtemp(prefix="tiercache-redis-")
         self.process: subprocess.Popen | None = None
 
@@ -62,7 +65,9 @@ class RedisServer:
             "--dir", self.dir,
             *self.extra_args,
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_bound_to(self.cpus)
+        )
         _wait_port(self.port)
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
@@ -116,11 +121,20 @@ def start_moto(port: int | None = None) -> S3Endpoint:
     return S3Endpoint(url=f"http://127.0.0.1:{port}", server=server)
 
 
+def _bound_to(cpus: set[int] | None):
+    """A preexec_fn that binds the child (and every thread it will start) to `cpus`."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 @contextmanager
-def moto_process(bucket: str):
+def moto_process(bucket: str, cpus: set[int] | None = None):
     """moto's S3 server in a process of its own (as a real S3 endpoint would be), with
     `bucket`: it shares neither the interpreter lock nor the memory of the process
-    that measures its clients. Yields the endpoint URL."""
+    that measures its clients. With `cpus`, it runs only there: a benchmark keeps it
+    off the cores the model computes on, as a remote endpoint would be. Yields the
+    endpoint URL."""
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "testing"),
         ("AWS_SECRET_ACCESS_KEY", "testing"),
@@ -132,6 +146,7 @@ def moto_process(bucket: str):
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_bound_to(cpus),
     )
     try:
         _wait_port(port, timeout=60)
@@ -156,14 +171,17 @@ def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> 
 
 
 @contextmanager
-def local_stack(bucket: str = "tiercache", s3_process: bool = False):
+def local_stack(bucket: str = "tiercache", s3_process: bool = False, cpus: set[int] | None = None):
     """redis-server and an S3 server with `bucket`, for the demo and benchmarks. The
     S3 server runs in this process's threads, or with `s3_process` in its own process
-    (then `.stop()` of the yielded endpoint does nothing: it ends with the block)."""
-    redis_server = RedisServer().start()
+    (then `.stop()` of the yielded endpoint does nothing: it ends with the block).
+    With `cpus` (only with `s3_process`), both servers run only on those CPUs."""
+    if cpus and not s3_process:
+        raise ValueError("local_stack: cpus needs s3_process=True (an in-process S3 server cannot be bound)")
+    redis_server = RedisServer(cpus=cpus).start()
     try:
         if s3_process:
-            with moto_process(bucket) as url:
+            with moto_process(bucket, cpus) as url:
                 yield redis_server, S3Endpoint(url=url, server=None)
             return
         s3 = start_moto()

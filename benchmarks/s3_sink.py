@@ -1,0 +1,66 @@
+"""An S3 PUT sink for the store-path benchmark: a process that accepts PutObject
+requests, reads each body into one reused buffer and throws it away, and answers as
+S3 does. GETs answer 404.
+
+Why: on a 2-core box moto's server stores every object in memory (copying and hashing
+it several times) on the same memory bus as the model, so the decode rate measured
+while writing through to moto mostly measures moto. A real S3 endpoint is on other
+machines; against this sink, what is left on the box is the writer's own cost: the
+request signing, the checksum, the socket copy. It is not an S3 implementation and
+nothing but that benchmark uses it.
+
+    python benchmarks/s3_sink.py PORT [CPU,...]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+CHUNK = 1 << 20
+
+
+class SinkHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_PUT(self) -> None:
+        left = int(self.headers.get("Content-Length", "0"))
+        buffer = bytearray(min(left, CHUNK) or 1)
+        view = memoryview(buffer)
+        while left > 0:
+            got = self.rfile.readinto(view[: min(left, CHUNK)])
+            if not got:
+                break
+            left -= got
+        self.send_response(200)
+        # A fixed ETag: nothing reads it back, and hashing the body is the cost
+        # this sink exists to leave out.
+        self.send_header("ETag", '"%s"' % hashlib.md5(b"").hexdigest())
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        body = b"<Error><Code>NoSuchKey</Code></Error>"
+        self.send_response(404)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def main() -> None:
+    port = int(sys.argv[1])
+    if len(sys.argv) > 2:
+        os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
+    ThreadingHTTPServer(("127.0.0.1", port), SinkHandler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""S3 write-through from the upload process: the blocks it reads from the shared CPU
+tier land in S3 and the index; when it dies, stores are dropped (never an error) and
+it comes back; it never outlives the worker that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from tiercache.engine import DISK, S3, TierEngine
+from tiercache.tiers.cpu import CpuBuffer, shm_room
+
+from test_engine import BLOCK, block, data, make_config, new_shape
+
+
+@pytest.fixture
+def engine(tmp_path, redis_url, s3_endpoint, bucket):
+    config = make_config(tmp_path, redis_url=redis_url, s3_endpoint=s3_endpoint, bucket=bucket, slots=4)
+    buffer = CpuBuffer(4, BLOCK, pin_memory=False, shared=True)
+    assert buffer.shared_name is not None, "this machine's /dev/shm has no room for 256 KiB"
+    made = TierEngine(config, new_shape(), buffer)
+    yield made
+    made.close()
+    buffer.close()
+    assert not os.path.exists(f"/dev/shm/{buffer.shared_name}")
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def write(engine: TierEngine, i: int, slot: int | None) -> list:
+    """Write block i down from `slot` (filled with its data first) or from a copy."""
+    results: list = []
+    if slot is not None:
+        engine.buffer.view(slot)[:] = data(i)
+        assert engine.write_down(block(i), slot, results.append)
+    else:
+        assert engine.write_down(block(i), None, results.append, data=data(i))
+    return results
+
+
+def test_uploads_run_in_their_own_process_and_land_indexed(engine):
+    assert engine.uploads is not None and engine.uploads.pid != os.getpid()
+    pending = [write(engine, i, slot=i) for i in range(4)]
+    pending.append(write(engine, 9, slot=None))  # a write-back's copy travels by socket
+    assert engine.flush(60)
+    results = [r for done in pending for r in done]
+    assert [r.stored for r in results] == [{DISK: True, S3: True}] * 5
+    assert engine.index.count(engine.shape.model_digest, engine.shape.rank_digest) == 5
+    out = memoryview(bytearray(BLOCK))
+    for i in (0, 3, 9):
+        assert engine.read_into(block(i), out, S3) and bytes(out) == data(i)
+
+
+def test_a_dead_upload_process_drops_stores_then_comes_back(engine):
+    first = engine.uploads.pid
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: engine.uploads._conn is None)
+    engine.uploads._next_start = time.monotonic() + 60  # not yet due to restart
+    dropped = write(engine, 1, slot=0)
+    assert engine.flush(30)
+    assert dropped[0].stored == {DISK: True, S3: False}
+
+    engine.uploads._next_start = 0
+    stored = write(engine, 2, slot=0)
+    assert engine.flush(60)
+    assert stored[0].stored == {DISK: True, S3: True}
+    assert engine.uploads.pid not in (None, first)
+
+
+def test_uploads_in_flight_when_the_process_dies_report_not_stored(engine):
+    os.kill(engine.uploads.pid, signal.SIGSTOP)
+    pending = [write(engine, 1, slot=0), write(engine, 2, slot=1)]
+    wait_for(lambda: len(engine.uploads._pending) == 2)
+    os.kill(engine.uploads.pid, signal.SIGKILL)
+    assert engine.flush(30)
+    results = [r for done in pending for r in done]
+    assert sorted(str(r.stored) for r in results) == [str({DISK: True, S3: False})] * 2
+    assert engine.index.count(engine.shape.model_digest, engine.shape.rank_digest) == 0
+
+
+def test_the_upload_process_exits_when_its_worker_goes(engine):
+    process = engine.uploads._process
+    # What the worker's death looks like from there: its end of the socket goes away.
+    end = socket.socket(fileno=os.dup(engine.uploads._conn.fileno()))
+    end.shutdown(socket.SHUT_RDWR)
+    end.close()
+    assert process.wait(15) == 0
+
+
+def test_shm_room():
+    assert shm_room("/nonexistent-path") == 0
+    assert shm_room() > 0

@@ -1,0 +1,246 @@
+"""S3 write-through from a process of its own.
+
+In a vLLM worker every Python thread shares one interpreter lock with the forward
+pass, and PyTorch gives that lock up and takes it back around every operator. An
+upload holds it for long stretches (botocore builds, signs and parses each request in
+Python), so the forward waits behind it many times per step: on a 2-core box, four
+upload threads in the worker cost a decode-like loop 35% of its speed, and the same
+uploads from another process 11%. The worker's CPU tier therefore lives in shared
+memory, and this process reads the blocks to upload straight from it: what crosses
+the socket between the two is a slot number, a block hash and its header, not the
+pages.
+
+If the process dies, the uploads in flight and those asked for before it is back
+report "not stored" (a later read is a miss, never an error); it is started again
+on the next upload after RESTART_PAUSE seconds.
+
+    python -m tiercache.uploader FD    (started by UploadProcess, never by hand)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from tiercache.config import TierCacheConfig
+from tiercache.threads import run_on
+from tiercache.tiers.format import ObjectHeader
+
+log = logging.getLogger(__name__)
+
+# Seconds between attempts to start the process again after it died.
+RESTART_PAUSE = 5.0
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class UploadSetup:
+    """What the process needs, sent as the first message."""
+
+    config: TierCacheConfig
+    model_digest: str
+    rank_digest: str
+    shm_name: str  # the CPU tier's shared-memory segment, read-only here
+    slot_bytes: int
+    num_slots: int
+    cpus: frozenset[int]  # where to run: the cores the model does not use (none: anywhere)
+    nice: int  # the priority to run at: below the worker's
+
+
+class UploadProcess:
+    """The worker's side: `upload` blocks the calling mover thread (not holding the
+    interpreter lock) until the process answers."""
+
+    def __init__(self, setup: UploadSetup):
+        self.setup = setup
+        s3 = setup.config.s3
+        # Longest an answer can take: the wait for another writer's lease, then a
+        # PUT with every retry.
+        self.answer_timeout = (
+            setup.config.redis.write_lease_ttl + (s3.connect_timeout + s3.read_timeout) * s3.max_attempts + 5
+        )
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._conn: Connection | None = None
+        self._process: subprocess.Popen | None = None
+        self._next_start = 0.0
+        self._closed = False
+        with self._lock:
+            self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def _start(self) -> bool:
+        """Start the process (the lock is held). False if that failed."""
+        self._next_start = time.monotonic() + RESTART_PAUSE
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tiercache.uploader", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+            )
+        except OSError as error:
+            log.warning("tiercache: could not start the upload process: %s", error)
+            ours.close()
+            return False
+        finally:
+            theirs.close()
+        # Placed now, before its imports, not once it is running: those alone would
+        # otherwise take a second of the model's core.
+        run_on(process.pid, self.setup.cpus, self.setup.nice)
+        conn = Connection(ours.detach())
+        try:
+            conn.send(self.setup)
+        except OSError:
+            conn.close()
+            return False
+        self._conn, self._process = conn, process
+        threading.Thread(
+            target=self._read_answers, args=(conn, process), name="tiercache-upload-answers", daemon=True
+        ).start()
+        return True
+
+    def _read_answers(self, conn: Connection, process: subprocess.Popen) -> None:
+        while True:
+            try:
+                _, op_id, stored = conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                future = self._pending.pop(op_id, None)
+            if future is not None:
+                future.set_result(stored)
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+            lost, self._pending = self._pending, {}
+        conn.close()
+        code = process.wait()
+        for future in lost.values():
+            future.set_result(False)
+        if not self._closed:
+            log.warning(
+                "tiercache: the upload process exited (code %s); %d uploads in flight are dropped, "
+                "and it restarts on the next upload",
+                code,
+                len(lost),
+            )
+
+    def upload(self, block_hash: bytes, slot: int | None, data: bytes | None, header: ObjectHeader) -> bool:
+        """Upload the block in CPU slot `slot` (or `data`, a copy of one) to S3 and
+        index it. False when it was not stored, whatever the reason."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                return False
+            if self._conn is None and (time.monotonic() < self._next_start or not self._start()):
+                return False
+            op_id = next(self._ids)
+            self._pending[op_id] = future
+            try:
+                self._conn.send(("put", op_id, block_hash, slot, data, header))
+            except OSError:
+                self._pending.pop(op_id, None)
+                return False
+        try:
+            return future.result(timeout=self.answer_timeout)
+        except TimeoutError:
+            with self._lock:
+                self._pending.pop(op_id, None)
+            log.warning("tiercache: no answer from the upload process in %.0fs", self.answer_timeout)
+            return False
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the process finish what it was sent, then stop it."""
+        with self._lock:
+            self._closed = True
+            conn, process = self._conn, self._process
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+        if process is not None:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+# -- the process --------------------------------------------------------------------
+
+
+def _open_slots(setup: UploadSetup) -> memoryview:
+    """The worker's CPU tier, read-only. Opened by path rather than with
+    multiprocessing.shared_memory, which would hand the segment to this process's
+    resource tracker and unlink it when this process exits."""
+    fd = os.open(os.path.join(SHM_DIR, setup.shm_name), os.O_RDONLY)
+    try:
+        return memoryview(mmap.mmap(fd, setup.slot_bytes * setup.num_slots, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
+
+
+def serve(conn: Connection) -> None:
+    from tiercache.leases import Leases
+    from tiercache.redis_conn import GuardedRedis
+    from tiercache.s3_writer import S3Writer
+    from tiercache.tiers.s3 import S3Tier
+
+    setup: UploadSetup = conn.recv()
+    config = setup.config
+    slots = _open_slots(setup)
+    redis = GuardedRedis(config.redis_url, config.redis)
+    writer = S3Writer(
+        S3Tier(config.s3),
+        Leases(redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl),
+        setup.model_digest,
+        setup.rank_digest,
+        config.redis.write_lease_ttl,
+    )
+    send_lock = threading.Lock()
+
+    def put(op_id: int, block_hash: bytes, slot: int | None, data: bytes | None, header: ObjectHeader):
+        try:
+            if data is not None:
+                view = memoryview(data)
+            else:
+                view = slots[slot * setup.slot_bytes : (slot + 1) * setup.slot_bytes]
+            stored = writer.upload(block_hash, view, header)
+        except Exception:  # an answer must go back whatever a tier throws
+            log.exception("upload of block %s failed", block_hash.hex())
+            stored = False
+        with send_lock, contextlib.suppress(OSError):  # OSError: the worker is gone
+            conn.send(("done", op_id, stored))
+
+    with ThreadPoolExecutor(config.movers.workers, thread_name_prefix="tiercache-upload") as pool:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break  # the worker is gone: nothing to answer to
+            if message[0] == "stop":
+                break
+            pool.submit(put, *message[1:])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="tiercache-uploader %(levelname)s %(message)s")
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
