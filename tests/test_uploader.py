@@ -10,11 +10,10 @@ import socket
 import time
 
 import pytest
+from test_engine import BLOCK, block, data, make_config, new_shape
 
 from tiercache.engine import DISK, S3, TierEngine
 from tiercache.tiers.cpu import CpuBuffer, shm_room
-
-from test_engine import BLOCK, block, data, make_config, new_shape
 
 
 @pytest.fixture

@@ -1,0 +1,185 @@
+"""What S3 write-through costs a forward pass running in the same process.
+
+A decode-like loop (matrix-vector products over 400 MB of float32 weights, one
+thread, bound to the first CPU as vLLM's CPU backend binds its worker) runs while a
+TierEngine writes rounds of 63 blocks of 2 MiB down to S3, with the uploads either in
+the engine's own threads ("in_process") or in the upload process that reads the
+blocks from shared memory ("process", tiercache/uploader.py). The figure is the
+loop's rate while the write-down runs over its rate just before it, in the same run.
+
+The endpoint is moto's server or, by default, `s3_sink.py`, which reads and discards
+each body, so that what is measured is the writer's cost and not moto's: a real S3
+endpoint does not run on the host. Both, and redis-server, run on the last CPU.
+
+    .venv/bin/python benchmarks/upload_interference.py [--endpoint sink|moto] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SLOT = 2 << 20
+BLOCKS = 63  # a 2000-token prompt of the e2e model
+
+
+def forward_loop():
+    import torch
+
+    torch.set_num_threads(1)
+    weights = [torch.randn(4096, 1024) for _ in range(24)]
+    x = torch.randn(1024)
+
+    def step() -> None:
+        y = x
+        for w in weights:
+            y = torch.nn.functional.silu((w @ y)[:1024]) + y
+
+    return step
+
+
+def rate(step, seconds: float) -> float:
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def endpoint(kind: str, cpus: set[int]):
+    from tiercache.testing.servers import _wait_port, free_port, moto_process
+
+    if kind == "moto":
+        with moto_process("interference", cpus) as url:
+            yield url
+        return
+    port = free_port()
+    sink = Path(__file__).with_name("s3_sink.py")
+    process = subprocess.Popen([sys.executable, str(sink), str(port), ",".join(map(str, cpus))])
+    try:
+        _wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:
+    from tiercache.config import TierCacheConfig
+    from tiercache.engine import ObjectShape, TierEngine
+    from tiercache.tiers.cpu import CpuBuffer
+
+    buffer = CpuBuffer(BLOCKS, SLOT, pin_memory=False, shared=mode == "process")
+    config = TierCacheConfig.model_validate(
+        {"redis_url": redis_url, "s3": {"bucket": "interference", "endpoint_url": url}}
+    )
+    engine = TierEngine(config, ObjectShape(os.urandom(8).hex(), os.urandom(8).hex(), SLOT), buffer)
+    assert (engine.uploads is not None) == (mode == "process")
+    try:
+        time.sleep(2)  # the upload process's imports
+        before = rate(step, 3.0)
+        done, stored, count = threading.Event(), [], [0]
+
+        def round_of_writes() -> None:
+            for slot in range(BLOCKS):
+                engine.write_down(os.urandom(32), slot, on_done)
+
+        def on_done(result) -> None:
+            count[0] += 1
+            stored.append(bool(result.stored.get("s3")))
+            if count[0] == BLOCKS * rounds:
+                done.set()
+            elif count[0] % BLOCKS == 0:
+                round_of_writes()
+
+        start, steps = time.perf_counter(), 0
+        round_of_writes()
+        while not done.is_set():
+            step()
+            steps += 1
+        seconds = time.perf_counter() - start
+        during = steps / seconds
+        return {
+            "mode": mode,
+            "before_steps_per_s": before,
+            "during_steps_per_s": during,
+            "ratio": during / before,
+            "write_mib_per_s": BLOCKS * rounds * SLOT / 2**20 / seconds,
+            "stored": sum(stored),
+            "asked": len(stored),
+        }
+    finally:
+        engine.close()
+        buffer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--endpoint", choices=["sink", "moto"], default="sink")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 63 x 2 MiB per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON results file")
+    args = parser.parse_args()
+
+    from tiercache.testing.servers import RedisServer, create_bucket
+
+    allowed = sorted(os.sched_getaffinity(0))
+    model_cpu, service_cpus = allowed[0], {allowed[-1]}
+    os.sched_setaffinity(0, {model_cpu})  # threads started from here on inherit it
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        os.environ.setdefault(name, value)
+    step = forward_loop()
+    redis_server = RedisServer(cpus=service_cpus).start()
+    rows = []
+    try:
+        with endpoint(args.endpoint, service_cpus) as url:
+            if args.endpoint == "moto":
+                create_bucket(url, "interference")
+            for _ in range(args.repeats):
+                for mode in ("in_process", "process"):
+                    row = measure(step, mode, url, redis_server.url, args.rounds)
+                    rows.append(row)
+                    print(
+                        f"{mode:10s} forward {row['before_steps_per_s']:.1f} -> "
+                        f"{row['during_steps_per_s']:.1f} "
+                        f"steps/s ({row['ratio']:.2f}x) while writing {row['write_mib_per_s']:.0f} MiB/s, "
+                        f"stored {row['stored']}/{row['asked']}",
+                        flush=True,
+                    )
+    finally:
+        redis_server.close()
+    summary = {
+        mode: statistics.median(r["ratio"] for r in rows if r["mode"] == mode)
+        for mode in ("in_process", "process")
+    }
+    print(
+        "median forward rate while writing, over the rate before:",
+        {k: round(v, 2) for k, v in summary.items()},
+    )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "cpus": {"model": model_cpu, "services": sorted(service_cpus)},
+                    "rows": rows,
+                    "median_ratio": summary,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
