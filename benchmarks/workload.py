@@ -32,7 +32,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import NAMESPACE, RESULTS, engine_env, logprob_gap, machine, prompt, write_model  # noqa: E402
+from e2e import (  # noqa: E402
+    NAMESPACE,
+    RESULTS,
+    engine_env,
+    logprob_gap,
+    machine,
+    prompt,
+    service_cpus,
+    write_model,
+)
 
 # Half the e2e model's depth (same KV heads and head size): 32 KiB of KV per token,
 # 1 MiB per 32-token block, and twice the prefill speed, so the run stays short.
@@ -134,7 +143,7 @@ def main() -> None:
     disk_a, disk_b = work / "disk-a", work / "disk-b"
     for d in (disk_a, disk_b):
         shutil.rmtree(d, ignore_errors=True)
-    with local_stack("tiercache-workload") as (redis_server, s3):
+    with local_stack("tiercache-workload", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
         shared = {
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-workload", "endpoint_url": s3.url, "prefix": "chat/"},
