@@ -165,16 +165,19 @@ class TierCacheScheduler:
             else:
                 LOOKUP_BLOCKS.inc(limit - first)
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
-        tiers = self._fit_to_cpu_tier(tiers)
+        tiers = self._fit_to_cpu_tier(tiers, hashes[first : first + len(tiers)])
         if not tiers:
             return 0, False
         return len(tiers) * self.block_size, any(t != CPU for t in tiers)
 
-    def _fit_to_cpu_tier(self, tiers: list[str]) -> list[str]:
+    def _fit_to_cpu_tier(self, tiers: list[str], hashes) -> list[str]:
         """Each disk or S3 block is staged through a CPU slot of its own. A hit that
         needs more slots than transfers leave free is cut where they run out: the
         rest is computed, rather than planned, failed and recovered by vLLM."""
-        room = self.slots.unpinned() - tiers.count(CPU)  # this hit pins its CPU blocks too
+        # This hit pins its own CPU blocks too; those a transfer already pins (a
+        # write-through still running) are not in unpinned() to begin with.
+        cpu_blocks = [bytes(h) for h, tier in zip(hashes, tiers, strict=True) if tier == CPU]
+        room = self.slots.unpinned() - self.slots.unpinned_among(cpu_blocks)
         needed = 0
         for i, tier in enumerate(tiers):
             if tier != CPU:

@@ -192,6 +192,19 @@ def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():
     assert sched.get_num_new_matched_tokens(request("r3", 6), 0) == (3 * BLOCK, True)
 
 
+def test_cpu_blocks_a_write_through_pins_are_not_counted_twice_against_the_room():
+    sched = make_scheduler(capacity_slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    req = request("r1", 5)
+    hashes = [bytes(h) for h in req.block_hashes]
+    for h in hashes[:2]:  # stored by an earlier request, still being written down
+        sched.slots.allocate(h)
+        sched.ready.add(h)
+    for h in hashes[2:4]:
+        sched.disk_view[h] = None
+    # Two slots are free for the two disk blocks: the whole prefix is a hit.
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+
+
 def test_preempted_request_resumes_with_new_block_ids():
     sched = make_scheduler()
     req = request("r1", 4)

@@ -125,6 +125,12 @@ class SlotAllocator:
         with self._lock:
             return self.num_slots - len(self._pins)
 
+    def unpinned_among(self, keys: Iterable[str]) -> int:
+        """How many of `keys` hold a slot that no transfer holds."""
+        with self._lock:
+            slots = (self._slot_of.get(key) for key in keys)
+            return sum(1 for slot in slots if slot is not None and slot not in self._pins)
+
     def usage_bytes(self) -> int:
         return len(self._slot_of) * self.slot_bytes
 
