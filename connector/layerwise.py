@@ -1,4 +1,7 @@
-"""A CPU-tier hit loaded into the paged KV layer by layer, while the forward pass runs.
+"""A hit loaded from CPU slots into the paged KV layer by layer, while the forward runs:
+a CPU-tier hit in the step that computes its request, and a disk or S3 hit, once
+staged into slots, from the end of the step that reports it until the next forward
+(the earliest that can read it) has waited for every layer.
 
 Copying a whole hit before the forward starts puts the full copy on the critical path
 (about 20 ms for 124 MiB on a 2-core machine: 13% of a 2000-token hit's time to first

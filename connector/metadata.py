@@ -32,6 +32,8 @@ class TierCacheMetadata(KVConnectorMetadata):
     write_backs: list[tuple[bytes, int]] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockOp] = field(default_factory=list)
+    # No request computes this step: vLLM is only polling for loads in flight.
+    idle: bool = False
 
 
 # Event kinds a worker reports. Each is keyed by (kind, value); the scheduler acts

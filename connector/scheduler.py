@@ -243,7 +243,12 @@ class TierCacheScheduler:
 
     # -- each step ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> TierCacheMetadata:
-        meta = TierCacheMetadata(write_backs=self._pending_write_backs, loads=self._pending_loads, stores=[])
+        meta = TierCacheMetadata(
+            write_backs=self._pending_write_backs,
+            loads=self._pending_loads,
+            stores=[],
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._pending_write_backs = []
         self._pending_loads = []
         for new in scheduler_output.scheduled_new_reqs:

@@ -9,8 +9,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,13 @@ from .stats import TierCacheStats
 
 log = logging.getLogger("tiercache.connector")
 
+# While a request waits for a disk or S3 load and nothing else runs, vLLM polls the
+# connector in a tight loop of empty steps. That loop holds the interpreter lock the
+# staging threads need after every read, and on a 2-core machine it tripled a disk
+# hit's load time. An idle step instead sleeps on the loads, this long at most: the
+# delay a request arriving meanwhile can see before it is scheduled.
+IDLE_STEP_WAIT_SECONDS = 0.01
+
 
 @dataclass
 class _AsyncLoad:
@@ -49,7 +56,8 @@ class _AsyncLoad:
 class _LayerwiseStep:
     load: LayerwiseLoad
     ops: list[BlockOp]
-    started: float
+    started: float | None  # set for CPU hits, whose load time ends with the copy
+    staged_ok: dict[int, bool] = field(default_factory=dict)
 
 
 class TierCacheWorker:
@@ -80,12 +88,15 @@ class TierCacheWorker:
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._idle_step = False
         self._stats = TierCacheStats()
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
         self._layer_order: list[str] | None = None
         self._layers_this_step: list[str] = []
-        self._layerwise: _LayerwiseStep | None = None
+        # Copies the next forward waits for layer by layer: this step's CPU hits, and
+        # staged hits reported finished at the end of the step before.
+        self._layerwise: list[_LayerwiseStep] = []
         self._layer_helper: ThreadPoolExecutor | None = None
 
     # -- setup --------------------------------------------------------------------
@@ -150,6 +161,7 @@ class TierCacheWorker:
 
     # -- loads ----------------------------------------------------------------------
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
+        self._idle_step = meta.idle
         if self.engine is None:
             self._fail_all(meta)
             return
@@ -173,16 +185,26 @@ class TierCacheWorker:
         """This step's hits wholly in the CPU tier: layer by layer beside the forward
         when that is known to be safe, else now, before the forward."""
         started = time.perf_counter()
-        if self._layer_order is None or self._layer_helper is None:
+        if not self._layerwise_ready():
             for job in jobs:
                 self._finish_load(job.ops, staged_ok={})
             self._stats.observe_load(CPU, time.perf_counter() - started)
             return
-        ops = [op for job in jobs for op in job.ops]
+        self._load_layerwise([job.ops for job in jobs], staged_ok={}, started=started)
+
+    def _layerwise_ready(self) -> bool:
+        return self._layer_order is not None and self._layer_helper is not None
+
+    def _load_layerwise(
+        self, jobs_ops: list[list[BlockOp]], staged_ok: dict[int, bool], started: float | None
+    ) -> None:
+        """Start copying the good blocks of these loads in the background; the next
+        forward waits for each layer before its attention reads it."""
+        ops = [op for job_ops in jobs_ops for op in job_ops]
         # Each request's prefix must be whole; one request's lost block fails only its own.
-        good = [op for job in jobs for op in self._good_prefix(job.ops, staged_ok={})]
+        good = [op for job_ops in jobs_ops for op in self._good_prefix(job_ops, staged_ok)]
         if not good:
-            self._release(ops, staged_ok={})
+            self._release(ops, staged_ok)
             return
         load = LayerwiseLoad(
             self.copier,
@@ -192,26 +214,27 @@ class TierCacheWorker:
             self._layer_order,
             self._layer_helper,
         )
-        self._layerwise = _LayerwiseStep(load, ops, started)
+        self._layerwise.append(_LayerwiseStep(load, ops, started, staged_ok))
 
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM calls this before each attention layer of a step's forward."""
         self._layers_this_step.append(layer_name)
-        if self._layerwise is not None:
-            self._layerwise.load.wait(layer_name)
+        for step in self._layerwise:
+            step.load.wait(layer_name)
 
     def _end_of_forward(self) -> None:
-        step, self._layerwise = self._layerwise, None
-        if step is not None:
+        steps, self._layerwise = self._layerwise, []
+        for step in steps:
             step.load.finish()
-            self._stats.observe_load(CPU, time.perf_counter() - step.started)
-            self._release(step.ops, staged_ok={})
+            if step.started is not None:
+                self._stats.observe_load(CPU, time.perf_counter() - step.started)
+            self._release(step.ops, step.staged_ok)
         seen, self._layers_this_step = self._layers_this_step, []
         if self._layer_order is None and self.copier is not None and seen:
             registered = {region.name for region in self.copier.regions}
             if registered <= set(seen):
                 self._layer_order = [name for name in dict.fromkeys(seen) if name in registered]
-                log.info("tiercache: loading CPU-tier hits layer by layer during the forward")
+                log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
 
     def _poll_async(self) -> None:
         still = []
@@ -222,10 +245,15 @@ class TierCacheWorker:
             results = load.staged.result() if load.staged is not None else []
             staged_ops = [op for op in load.job.ops if op.tier in (DISK, S3)]
             staged_ok = {id(op): ok for op, ok in zip(staged_ops, results, strict=True)}
-            self._finish_load(load.job.ops, staged_ok)
-            self._finished_recving.add(load.job.req_id)
             slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
             self._stats.observe_load(slowest, time.perf_counter() - load.started)
+            if self._layerwise_ready():
+                # vLLM schedules the request no earlier than the next step, whose
+                # forward waits for each layer: the copy overlaps that forward.
+                self._load_layerwise([load.job.ops], staged_ok, started=None)
+            else:
+                self._finish_load(load.job.ops, staged_ok)
+            self._finished_recving.add(load.job.req_id)
         self._async = still
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
@@ -305,6 +333,11 @@ class TierCacheWorker:
 
     # -- reporting ------------------------------------------------------------------
     def get_finished(self) -> set[str]:
+        if self._idle_step:
+            self._idle_step = False
+            staging = [load.staged for load in self._async if load.staged is not None]
+            if staging:
+                wait(staging, timeout=IDLE_STEP_WAIT_SECONDS, return_when=FIRST_COMPLETED)
         self._poll_async()
         done, self._finished_recving = self._finished_recving, set()
         return done

@@ -98,8 +98,12 @@ def output(new=(), cached=None, scheduled=None):
     cached = cached or SimpleNamespace(
         req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
     )
+    scheduled = scheduled or {}
     return SimpleNamespace(
-        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {}
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
     )
 
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from tiercache.config import build_config
+from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.layerwise import LayerwiseLoad
 from tiercache.connector.metadata import RELEASED, BlockOp, LoadJob, TierCacheMetadata
@@ -120,7 +122,7 @@ def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for()
         assert worker._layer_order is None
         meta = cpu_hit([3, 4], [8, 9])
         worker.start_load_kv(meta)
-        assert worker._layerwise is None
+        assert worker._layerwise == []
         assert all(torch.equal(kv[n][[8, 9]], want[n]) for n in LAYERS)  # in place already
         worker.wait_for_save(meta)
 
@@ -204,5 +206,66 @@ def test_one_requests_lost_block_fails_only_that_requests_blocks(layerwise):
             assert torch.equal(kv[name][8], kv[name][1]) and torch.equal(kv[name][9], kv[name][2])
         events = worker.take_worker_meta().events
         assert all(events[(RELEASED, slot)] for slot in (2, 3, 4))
+    finally:
+        worker.shutdown()
+
+
+def staged_hit(worker, kv, slots, gpu_blocks, source_blocks, delay: float = 0.0):
+    """A disk hit whose staging puts `source_blocks`' bytes in `slots` after `delay`
+    seconds, as the tier engine's readers would."""
+    ops = [
+        BlockOp(bytes([i + 100]) * 32, gpu, slot, "disk")
+        for i, (slot, gpu) in enumerate(zip(slots, gpu_blocks, strict=True))
+    ]
+
+    def stage_many(items):
+        def run():
+            time.sleep(delay)
+            worker.copier.to_slots(source_blocks, slots, worker.buffer)
+            return [True] * len(items)
+
+        return ThreadPoolExecutor(1).submit(run)
+
+    worker.engine.stage_many = stage_many
+    return TierCacheMetadata(write_backs=[], loads=[LoadJob("r", ops, True)], stores=[], idle=True)
+
+
+def test_an_idle_step_waits_for_a_staged_load_instead_of_returning_empty(monkeypatch):
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_SECONDS", 30.0)  # bounds only
+    kv = paged_kv()
+    worker = make_worker(kv)
+    try:
+        worker.start_load_kv(staged_hit(worker, kv, [1], [7], [0], delay=0.05))
+        assert worker.get_finished() == {"r"}  # slept on the read: reported this step
+
+        busy = staged_hit(worker, kv, [2], [8], [0], delay=0.2)
+        busy.idle = False  # other requests compute this step: do not hold them up
+        worker.start_load_kv(busy)
+        assert worker.get_finished() == set()
+        worker.start_load_kv(empty_step())
+        while not worker.get_finished():
+            time.sleep(0.01)
+        assert all(torch.equal(kv[n][8], kv[n][0]) for n in LAYERS)
+    finally:
+        worker.shutdown()
+
+
+def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward():
+    kv = paged_kv()
+    worker = make_worker(kv)
+    want = {name: t[[0, 1]].clone() for name, t in kv.items()}
+    try:
+        forward(worker, empty_step(), LAYERS)  # learn the layer order
+        worker.start_load_kv(staged_hit(worker, kv, [3, 4], [10, 11], [0, 1]))
+        worker.wait_for_save(empty_step())
+        assert worker.get_finished() == {"r"}
+        assert (RELEASED, 3) not in worker.take_worker_meta().events  # still being copied
+
+        def in_place(name):
+            assert torch.equal(kv[name][[10, 11]], want[name]), name
+
+        forward(worker, empty_step(), LAYERS, check=in_place)
+        events = worker.take_worker_meta().events
+        assert events[(RELEASED, 3)] == 1 and events[(RELEASED, 4)] == 1
     finally:
         worker.shutdown()

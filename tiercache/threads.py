@@ -8,10 +8,11 @@ throughput. These initializers move a pool's threads onto the cores the model do
 use, where there are any (the cores vLLM reserves for its scheduler and front end),
 and lower the priority of background work so that it yields to serving.
 
-Only threads that hold the interpreter lock for long stretches gain from another
-core: a thread that takes and drops it many times (staging a disk object: open, read,
-hash, close) waits up to the switch interval each time while the worker's own thread
-spins on its message queue from another core. Staging therefore stays put.
+Reads a waiting request needs (disk objects staged for a hit) are not background
+work: they may run on any core the process may use, at normal priority. They take and
+drop the interpreter lock many times per object, which only pays off because the
+worker sleeps on them instead of spinning while nothing else runs (see the connector
+worker's idle steps).
 
 On a GPU host the workers are not bound, so there is no spare core to move to and only
 the priority changes."""
@@ -78,6 +79,13 @@ def run_on(tid: int, cpus: set[int] | frozenset[int], nice: int) -> None:
             os.sched_setaffinity(tid, cpus)
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def any_cpu_thread() -> None:
+    """ThreadPoolExecutor initializer for reads a request waits on: free to run on
+    the model's cores and the spare ones alike, at normal priority."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, os.sched_getaffinity(0) | spare_cpus())
 
 
 def helper_thread() -> None:
