@@ -250,14 +250,17 @@ def test_an_idle_step_waits_for_a_staged_load_instead_of_returning_empty(monkeyp
         worker.shutdown()
 
 
-def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward():
+def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch):
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_SECONDS", 30.0)  # bounds only
     kv = paged_kv()
     worker = make_worker(kv)
     want = {name: t[[0, 1]].clone() for name, t in kv.items()}
     try:
         forward(worker, empty_step(), LAYERS)  # learn the layer order
-        worker.start_load_kv(staged_hit(worker, kv, [3, 4], [10, 11], [0, 1]))
-        worker.wait_for_save(empty_step())
+        # Staged after this step's start: reported at its end, copied during the next.
+        meta = staged_hit(worker, kv, [3, 4], [10, 11], [0, 1], delay=0.05)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
         assert worker.get_finished() == {"r"}
         assert (RELEASED, 3) not in worker.take_worker_meta().events  # still being copied
 

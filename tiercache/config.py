@@ -148,7 +148,9 @@ class MoverConfig(_Strict):
     policy: Literal["write_through", "write_back"] = "write_through"
     promote_on_hit: bool = True
     queue_depth: int = Field(default=1024, ge=1, le=1_000_000)
-    workers: int = Field(default=4, ge=1, le=64)
+    workers: int = Field(
+        default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
+    )
     shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
     upload_process: bool = Field(
         default=True,
