@@ -320,22 +320,27 @@ def example_kv(path: Path) -> dict[str, Any]:
     }
 
 
+def ttft_runner(args: argparse.Namespace, work: Path, longest: int, partial: Path) -> EngineRunner:
+    """The engine runner of the TTFT engines: the benchmark model, room for the
+    longest prompt and the decoded tokens, vLLM's per-request timestamps on."""
+    base_spec = {
+        "model": str(write_model(work / "model")),
+        "max_model_len": longest + args.decode_tokens + 64,
+        "gpu_memory_utilization": args.kv_fraction,
+        "log_stats": True,
+    }
+    return EngineRunner(base_spec, work / "runs", engine_env(args), partial)
+
+
 def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     from tiercache.testing.servers import local_stack
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
-    model = str(write_model(work / "model"))
     longest = max(lengths + ([8000] if args.cold_8k else []))
-    base_spec = {
-        "model": model,
-        "max_model_len": longest + args.decode_tokens + 64,
-        "gpu_memory_utilization": args.kv_fraction,
-        "log_stats": True,
-    }
     asks = Requests(lengths, args.repeats)
     decode = args.decode_tokens
-    runner = EngineRunner(base_spec, work / "runs", engine_env(args), work / "partial.json")
+    runner = ttft_runner(args, work, longest, work / "partial.json")
     engine, warm, colds, hits = runner.run, asks.warm, asks.colds, asks.hits
 
     # 1. No connector, no prefix cache: cold TTFT and decode rate (the baseline of all).
@@ -396,15 +401,8 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     disk_full = work / "disk-full"
     if not any(disk_full.rglob("*.safetensors")):
         raise SystemExit(f"{disk_full} holds no objects: run `e2e.py ttft` first, with the same --workdir")
-    model = str(write_model(work / "model"))
-    base_spec = {
-        "model": model,
-        "max_model_len": max(lengths) + args.decode_tokens + 64,
-        "gpu_memory_utilization": args.kv_fraction,
-        "log_stats": True,
-    }
     asks = Requests(lengths, args.repeats)
-    runner = EngineRunner(base_spec, work / "runs", engine_env(args), work / "partial-disk.json")
+    runner = ttft_runner(args, work, max(lengths), work / "partial-disk.json")
     kv = tiercache_kv({"cpu": {"capacity": args.cpu_capacity}, "disk": {"path": str(disk_full)}})
     pairs: dict[str, list[float]] = {}
     for i in range(args.engines):

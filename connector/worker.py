@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,7 +57,7 @@ class _LayerwiseStep:
     load: LayerwiseLoad
     ops: list[BlockOp]
     started: float | None  # set for CPU hits, whose load time ends with the copy
-    staged_ok: dict[int, bool] = field(default_factory=dict)
+    staged_ok: dict[int, bool]
 
 
 class TierCacheWorker:
