@@ -23,13 +23,16 @@ every engine); decode tokens/s is (generated - 1) / (last token - first token).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import shutil
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -387,15 +390,69 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
             warm(False, stored=True) + hits(twice=True),
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}),
         )
+        # 7. The floors of those hits' extra time: the same number of objects read with
+        #    nothing but plain reads and plain boto3, in as many threads as tiercache uses.
+        blocks = max(lengths) // BLOCK
+        raw = {
+            "blocks": blocks,
+            "disk_read_seconds": [raw_disk_read(disk_full, blocks) for _ in range(args.repeats)],
+            "s3_get_seconds": [
+                raw_s3_get(s3.url, "tiercache-bench", "e2e/", blocks) for _ in range(args.repeats)
+            ],
+        }
 
     runner.stop()
-    return summarize_ttft(runner.engines, lengths, args)
+    return {**summarize_ttft(runner.engines, lengths, args), "raw_transfers": raw}
+
+
+def raw_disk_read(root: Path, count: int) -> float:
+    """Seconds to read `count` of the disk tier's objects under `root` into memory with
+    plain reads, in as many threads as tiercache's disk readers (movers.workers)."""
+    from tiercache.config import MoverConfig
+
+    files = sorted(root.rglob("*.safetensors"))[:count]
+    size = max(f.stat().st_size for f in files)
+
+    def read(path: Path, buffers=threading.local()) -> int:
+        if not hasattr(buffers, "one"):
+            buffers.one = bytearray(size)
+        with open(path, "rb", buffering=0) as f:
+            return f.readinto(buffers.one)
+
+    with ThreadPoolExecutor(MoverConfig().workers) as pool:
+        list(pool.map(read, files[:1]))  # the threads' buffers, outside the timing
+        start = time.perf_counter()
+        list(pool.map(read, files))
+        return time.perf_counter() - start
+
+
+def raw_s3_get(url: str, bucket: str, prefix: str, count: int) -> float:
+    """Seconds to GET `count` objects under `prefix` with a plain boto3 client, in as
+    many threads as tiercache's S3 tier (s3.max_concurrency)."""
+    import boto3
+    from botocore.config import Config
+
+    from tiercache.config import S3TierConfig
+
+    threads = S3TierConfig(bucket=bucket).max_concurrency
+    client = boto3.client("s3", endpoint_url=url, config=Config(max_pool_connections=threads))
+    names = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]][:count]
+
+    def get(name: str) -> int:
+        return len(client.get_object(Bucket=bucket, Key=name)["Body"].read())
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(get, names))
+        return time.perf_counter() - start
 
 
 def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     """More samples of the noisiest ratio of the TTFT run: `--engines` fresh engines,
     configured as its disk-hit engine, read the disk it left behind; in each, every
-    prompt's disk hit is paired with the CPU hit of the same prompt right after."""
+    prompt's disk hit is paired with the CPU hit of the same prompt right after. With
+    `--from-device`, the objects are dropped from the page cache before each engine, so
+    its disk hits read the device rather than memory."""
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
     disk_full = work / "disk-full"
@@ -405,20 +462,51 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     runner = ttft_runner(args, work, max(lengths), work / "partial-disk.json")
     kv = tiercache_kv({"cpu": {"capacity": args.cpu_capacity}, "disk": {"path": str(disk_full)}})
     pairs: dict[str, list[float]] = {}
+    extra: dict[str, list[float]] = {}
+    floor: list[float] = []
     for i in range(args.engines):
         name = f"tiercache_disk_{i}"
+        if args.from_device:
+            drop_from_page_cache(disk_full)
         runner.run(name, asks.warm(False, stored=True) + asks.hits(twice=True), kv_transfer_config=kv)
         first, second = results_by(runner.engines, name, "hit"), results_by(runner.engines, name, "hit2")
         for key in sorted(first):
             if key in second and first[key]["num_cached_tokens"] and second[key]["num_cached_tokens"]:
                 pairs.setdefault(str(key[0]), []).append(ttft(first[key]) / ttft(second[key]))
+                extra.setdefault(str(key[0]), []).append(ttft(first[key]) - ttft(second[key]))
+        # The floor of the extra time: one hit's objects read with plain reads, from
+        # where the engine found them.
+        if args.from_device:
+            drop_from_page_cache(disk_full)
+        floor.append(raw_disk_read(disk_full, max(lengths) // BLOCK))
     runner.stop()
     for n, ratios in pairs.items():
         print(
             f"{n} tokens: disk hit / CPU hit, {len(ratios)} pairs: median {median(ratios):.2f}, "
-            f"range {min(ratios):.2f}-{max(ratios):.2f}, in order {[round(r, 2) for r in ratios]}"
+            f"range {min(ratios):.2f}-{max(ratios):.2f}, in order {[round(r, 2) for r in ratios]}; "
+            f"over the CPU hit: median {median(extra[n]) * 1000:.0f} ms, plain reads of as many "
+            f"objects {median(floor) * 1000:.0f} ms"
         )
-    return {"machine": machine(), "args": vars(args), "pairs": pairs, "raw": runner.engines}
+    return {
+        "machine": machine(),
+        "args": vars(args),
+        "pairs": pairs,
+        "extra_seconds": extra,
+        "raw_disk_read_seconds": floor,
+        "raw": runner.engines,
+    }
+
+
+def drop_from_page_cache(root: Path) -> None:
+    """Evict the cached pages of every object under `root`, so the next reads go to
+    the device."""
+    for path in root.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the kernel drops clean pages only
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def results_by(engines: dict[str, Any], engine: str, label: str) -> dict[tuple[int, int], dict]:
@@ -494,14 +582,13 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
     table, decode = summarize_rows(engines, TTFT_ROWS, lengths, ("none", "tiercache"))
     # Ratios taken inside one engine, prompt by prompt (robust to other load on the
     # machine): a lower-tier hit against the CPU hit of the same prompt right after.
-    paired = {}
+    paired, over = {}, {}
     for eng in ("tiercache_disk", "tiercache_s3"):
         first, second = results_by(engines, eng, "hit"), results_by(engines, eng, "hit2")
-        paired[eng] = {
-            n: median([ttft(first[k]) / ttft(second[k]) for k in sorted(first) if k[0] == n and k in second])
-            for n in lengths
-        }
-    extra = {"paired_lower_tier_vs_cpu_hit": paired}
+        keys = {n: [k for k in sorted(first) if k[0] == n and k in second] for n in lengths}
+        paired[eng] = {n: median([ttft(first[k]) / ttft(second[k]) for k in keys[n]]) for n in lengths}
+        over[eng] = {n: median([ttft(first[k]) - ttft(second[k]) for k in keys[n]]) for n in lengths}
+    extra = {"paired_lower_tier_vs_cpu_hit": paired, "paired_lower_tier_extra_seconds": over}
     cold8k = results_by(engines, "none", "cold8k")
     if cold8k:
         extra["cold_8k_seconds"] = ttft(next(iter(cold8k.values())))
@@ -550,13 +637,48 @@ def print_ttft(data: dict[str, Any]) -> None:
         print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} | {load} |")
     print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})
     print("lower-tier hit / CPU hit, same engine:", data.get("paired_lower_tier_vs_cpu_hit"))
+    raw, over = data.get("raw_transfers"), data.get("paired_lower_tier_extra_seconds")
+    if raw and over:
+        for eng, floor in (("tiercache_disk", "disk_read_seconds"), ("tiercache_s3", "s3_get_seconds")):
+            extra = over[eng].get(str(lengths[-1]), over[eng].get(lengths[-1]))
+            bare = median(raw[floor])
+            print(
+                f"{eng}: {extra * 1000:.0f} ms over the CPU hit; {raw['blocks']} objects by "
+                f"{floor.replace('_seconds', '')} alone: {bare * 1000:.0f} ms ({extra / bare:.2f}x)"
+            )
+
+
+@contextlib.contextmanager
+def store_services(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
+    """redis-server and the S3 endpoint the store engines write through to, on the
+    cores the model does not use: moto, or with `--s3-server sink` a sink that reads
+    and discards each body (benchmarks/s3_sink.py). moto keeps every object in memory,
+    copying and hashing it several times on the memory bus the model's decode is bound
+    by, work a remote S3 endpoint does on its own machines; against the sink, what is
+    left on this box is tiercache's own cost. Yields the Redis server and the S3 URL."""
+    from s3_sink import running
+
+    from tiercache.testing.servers import RedisServer, local_stack
+
+    cpus = service_cpus(args)
+    if args.s3_server == "moto":
+        with local_stack("tiercache-store", s3_process=True, cpus=cpus) as (redis_server, s3):
+            yield redis_server, s3.url
+        return
+    redis_server = RedisServer(cpus=cpus).start()
+    try:
+        with running(cpus) as url:
+            yield redis_server, url
+    finally:
+        redis_server.close()
 
 
 def run_store(args: argparse.Namespace) -> dict[str, Any]:
     """Store-path overhead by tier set: the same cold prompts (each generating
-    `--decode-tokens`) with no connector, then with tiercache storing into the CPU tier
-    only, CPU + disk, and CPU + disk + S3 (write-through)."""
-    from tiercache.testing.servers import local_stack
+    `--decode-tokens`) with no connector, vLLM's ExampleConnector, then with tiercache
+    storing into the CPU tier only, CPU + disk, and CPU + disk + S3 (write-through).
+    Each engine then runs the same prompts again, storing nothing, for a ratio of
+    decode rates taken inside one engine."""
     from tiercache.testing.vllm_runner import run_engine
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -568,15 +690,15 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         {"name": "warm", "ids": prompt(11, 64), "max_tokens": 1},
         {"name": "warm", "ids": prompt(12, 512), "max_tokens": 1},
     ]
-    for n in lengths:
-        for r in range(args.repeats):
-            items.append(
-                {
-                    "name": f"cold/{n}/{r}",
-                    "ids": prompt(500_000 + 1000 * n + r, n),
-                    "max_tokens": args.decode_tokens,
-                }
-            )
+    colds = {(n, r): prompt(500_000 + 1000 * n + r, n) for n in lengths for r in range(args.repeats)}
+    for (n, r), ids in colds.items():
+        items.append({"name": f"cold/{n}/{r}", "ids": ids, "max_tokens": args.decode_tokens})
+    # The same prompts again once every write has ended: the same decode with nothing
+    # being stored, in the same engine (a hit where there is a cache, else cold again).
+    # Engines differ by up to 10% in decode rate, so this is the ratio to trust.
+    items.append({"sleep": 10})
+    for (n, r), ids in colds.items():
+        items.append({"name": f"again/{n}/{r}", "ids": ids, "max_tokens": args.decode_tokens})
     spec = {
         "model": model,
         # The 512-token warm-up prompt must fit too.
@@ -586,7 +708,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": items,
     }
     out: dict[str, Any] = {"machine": machine(), "args": vars(args), "engines": {}}
-    with local_stack("tiercache-store", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
+    with store_services(args) as (redis_server, s3_url):
         # "example": vLLM's ExampleConnector storing the same prompts, the cost of any
         # connector in vLLM's step; "none" is the baseline of every ratio.
         configs = {
@@ -597,7 +719,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             "cpu+disk+s3": {
                 "disk": {"path": str(work / "store-disk-b")},
                 "redis_url": redis_server.url,
-                "s3": {"bucket": "tiercache-store", "endpoint_url": s3.url, "prefix": "store/"},
+                "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "store/"},
                 "movers": {"shutdown_flush_seconds": 300},
             },
         }
@@ -618,17 +740,23 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
             rows = [r for r in result["results"] if r["name"] != "warm"]
             for r in rows:
                 r["foreign_cores"] = monitor.foreign_cores(r["started_at"], r["started_at"] + r["seconds"])
+            cold = {r["name"].split("/", 1)[1]: r for r in rows if r["name"].startswith("cold/")}
+            again = {r["name"].split("/", 1)[1]: r for r in rows if r["name"].startswith("again/")}
             out["engines"][name] = {
-                "ttft_median": median([r["metrics"]["first_token_latency"] for r in rows]),
-                "decode_tokens_per_s_median": median(
-                    [(len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"] for r in rows]
-                ),
-                "foreign_cores_median": median([r["foreign_cores"] for r in rows]),
+                "ttft_median": median([r["metrics"]["first_token_latency"] for r in cold.values()]),
+                "decode_tokens_per_s_median": median([decode_rate(r) for r in cold.values()]),
+                "decode_again_tokens_per_s_median": median([decode_rate(r) for r in again.values()]),
+                # Prompt by prompt: decoding while its blocks are written down, over
+                # decoding the same prompt with nothing to write.
+                "decode_storing_vs_not": median([decode_rate(cold[k]) / decode_rate(again[k]) for k in cold]),
+                "foreign_cores_median": median([r["foreign_cores"] for r in cold.values()]),
                 "results": rows,
             }
             e = out["engines"][name]
             print(
                 f"   TTFT {e['ttft_median']:.3f}s decode {e['decode_tokens_per_s_median']:.2f} tok/s "
+                f"(again, storing nothing: {e['decode_again_tokens_per_s_median']:.2f}; storing / not, "
+                f"prompt by prompt: {e['decode_storing_vs_not']:.3f}) "
                 f"other load {e['foreign_cores_median']:.2f} cores",
                 flush=True,
             )
@@ -638,6 +766,11 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         e["ttft_vs_none"] = e["ttft_median"] / base["ttft_median"]
         e["decode_vs_none"] = e["decode_tokens_per_s_median"] / base["decode_tokens_per_s_median"]
     return out
+
+
+def decode_rate(r: dict[str, Any]) -> float:
+    """Tokens per second after the first, from vLLM's per-request timestamps."""
+    return (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
 
 
 # -- Redis lookup -----------------------------------------------------------------------
@@ -911,10 +1044,16 @@ def plot_more(plt) -> None:
         xs = range(len(names))
         ttft_ratios = [data["engines"][n]["ttft_vs_none"] for n in names]
         dec = [data["engines"][n]["decode_vs_none"] for n in names]
-        b1 = ax.bar([x - 0.2 for x in xs], ttft_ratios, width=0.4, label="cold TTFT / no connector")
-        b2 = ax.bar([x + 0.2 for x in xs], dec, width=0.4, label="decode tokens/s / no connector")
-        ax.bar_label(b1, fmt="%.2f", fontsize=8)
-        ax.bar_label(b2, fmt="%.2f", fontsize=8)
+        bars = [
+            ax.bar([x - 0.27 for x in xs], ttft_ratios, width=0.27, label="cold TTFT / no connector"),
+            ax.bar(list(xs), dec, width=0.27, label="decode tokens/s / no connector"),
+        ]
+        if all("decode_storing_vs_not" in data["engines"][n] for n in names):
+            same = [data["engines"][n]["decode_storing_vs_not"] for n in names]
+            label = "decode storing / same prompt storing nothing, same engine"
+            bars.append(ax.bar([x + 0.27 for x in xs], same, width=0.27, label=label))
+        for b in bars:
+            ax.bar_label(b, fmt="%.2f", fontsize=7)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(list(xs), [STORE_LABELS.get(n, f"tiercache\n{n}") for n in names], fontsize=8)
         ax.set_ylim(0, 1.35)
@@ -975,7 +1114,16 @@ def main() -> None:
     parser.add_argument("--s3-objects", type=int, default=64)
     parser.add_argument("--s3-object-mib", type=int, default=2)
     parser.add_argument("--engines", type=int, default=3, help="disk: fresh engines to run")
+    parser.add_argument(
+        "--from-device", action="store_true", help="disk: drop the objects from the page cache first"
+    )
     parser.add_argument("--only", default=None, help="store: run only these engines (comma separated)")
+    parser.add_argument(
+        "--s3-server",
+        choices=["moto", "sink"],
+        default="moto",
+        help="store: the S3 endpoint written through to (see store_services)",
+    )
     parser.add_argument("--name", default=None, help="results file name (default: the subcommand)")
     args = parser.parse_args()
     name = args.name or args.what

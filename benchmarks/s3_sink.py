@@ -14,9 +14,12 @@ nothing but that benchmark uses it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 CHUNK = 1 << 20
@@ -53,6 +56,23 @@ class SinkHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+
+@contextlib.contextmanager
+def running(cpus: set[int]) -> Iterator[str]:
+    """This sink in a process of its own, on `cpus` (anywhere when empty); yields its
+    endpoint URL."""
+    from tiercache.testing.servers import _wait_port, free_port
+
+    port = free_port()
+    command = [sys.executable, __file__, str(port)] + ([",".join(map(str, sorted(cpus)))] if cpus else [])
+    process = subprocess.Popen(command)
+    try:
+        _wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
 
 
 def main() -> None:

@@ -21,8 +21,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -56,21 +54,13 @@ def rate(step, seconds: float) -> float:
 
 @contextlib.contextmanager
 def endpoint(kind: str, cpus: set[int]):
-    from tiercache.testing.servers import _wait_port, free_port, moto_process
+    from s3_sink import running
 
-    if kind == "moto":
-        with moto_process("interference", cpus) as url:
-            yield url
-        return
-    port = free_port()
-    sink = Path(__file__).with_name("s3_sink.py")
-    process = subprocess.Popen([sys.executable, str(sink), str(port), ",".join(map(str, cpus))])
-    try:
-        _wait_port(port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait()
+    from tiercache.testing.servers import moto_process
+
+    server = moto_process("interference", cpus) if kind == "moto" else running(cpus)
+    with server as url:
+        yield url
 
 
 def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:

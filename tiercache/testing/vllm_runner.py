@@ -115,7 +115,10 @@ def _control(entry: dict[str, Any]) -> None:
     """Entries without "ids" let a test act between prompts of one engine:
     {"touch": PATH} creates PATH (this engine reached here); {"wait_for": PATH,
     "timeout": S} blocks until PATH exists (the test has done its part), at most S
-    seconds (default 300), then fails the run."""
+    seconds (default 300), then fails the run; {"sleep": S} pauses S seconds (lets
+    background writes finish before the next prompt)."""
+    if "sleep" in entry:
+        time.sleep(float(entry["sleep"]))
     if "touch" in entry:
         Path(entry["touch"]).touch()
     if "wait_for" in entry:
