@@ -11,7 +11,16 @@ The endpoint is moto's server or, by default, `s3_sink.py`, which reads and disc
 each body, so that what is measured is the writer's cost and not moto's: a real S3
 endpoint does not run on the host. Both, and redis-server, run on the last CPU.
 
+With `--pace S`, a round starts at most every S seconds, spreading the same writes
+over more time; each row also gives the loop's time lost to them, in seconds.
+
+With `--neighbours`, no uploads: the loop's rate while another process on the last
+CPU either spins (CPU only) or copies 64 MiB buffers (memory traffic), over its rate
+just before. On a small VM the second shows how much the loop is bound by the memory
+bus it shares with whatever runs on the other core.
+
     .venv/bin/python benchmarks/upload_interference.py [--endpoint sink|moto] [--repeats 3]
+        [--pace S] [--neighbours]
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,7 +74,36 @@ def endpoint(kind: str, cpus: set[int]):
         yield url
 
 
-def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:
+NEIGHBOURS = {
+    "spin": "while True: pass",
+    "memcpy": (
+        "import torch\ntorch.set_num_threads(1)\n"
+        "a = torch.empty(64 << 20, dtype=torch.uint8)\nb = torch.empty_like(a)\n"
+        "while True: a.copy_(b)"
+    ),
+}
+
+
+def measure_neighbour(step, kind: str, cpus: set[int]) -> dict:
+    before = rate(step, 3.0)
+    process = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOURS[kind]], preexec_fn=lambda: os.sched_setaffinity(0, cpus)
+    )
+    try:
+        time.sleep(1.0)  # its imports and buffers
+        during = rate(step, 3.0)
+    finally:
+        process.kill()
+        process.wait()
+    return {
+        "mode": f"beside {kind}",
+        "before_steps_per_s": before,
+        "during_steps_per_s": during,
+        "ratio": during / before,
+    }
+
+
+def measure(step, mode: str, url: str, redis_url: str, rounds: int, pace: float = 0.0) -> dict:
     from tiercache.config import TierCacheConfig
     from tiercache.engine import ObjectShape, TierEngine
     from tiercache.tiers.cpu import CpuBuffer
@@ -78,8 +118,10 @@ def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:
         time.sleep(2)  # the upload process's imports
         before = rate(step, 3.0)
         done, stored, count = threading.Event(), [], [0]
+        round_started = [0.0]
 
         def round_of_writes() -> None:
+            round_started[0] = time.perf_counter()
             for slot in range(BLOCKS):
                 engine.write_down(os.urandom(32), slot, on_done)
 
@@ -89,7 +131,8 @@ def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:
             if count[0] == BLOCKS * rounds:
                 done.set()
             elif count[0] % BLOCKS == 0:
-                round_of_writes()
+                wait = max(0.0, round_started[0] + pace - time.perf_counter())
+                threading.Timer(wait, round_of_writes).start()
 
         start, steps = time.perf_counter(), 0
         round_of_writes()
@@ -103,6 +146,7 @@ def measure(step, mode: str, url: str, redis_url: str, rounds: int) -> dict:
             "before_steps_per_s": before,
             "during_steps_per_s": during,
             "ratio": during / before,
+            "lost_seconds": seconds * (1 - during / before),
             "write_mib_per_s": BLOCKS * rounds * SLOT / 2**20 / seconds,
             "stored": sum(stored),
             "asked": len(stored),
@@ -119,8 +163,13 @@ def main() -> None:
     parser.add_argument("--endpoint", choices=["sink", "moto"], default="sink")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of 63 x 2 MiB per measurement")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pace", type=float, default=0.0, help="start a round at most every S seconds")
+    parser.add_argument(
+        "--neighbours", action="store_true", help="a spinning or copying neighbour, no uploads"
+    )
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args()
+    modes = ("beside spin", "beside memcpy") if args.neighbours else ("in_process", "process")
 
     from tiercache.testing.servers import RedisServer, create_bucket
 
@@ -137,22 +186,28 @@ def main() -> None:
             if args.endpoint == "moto":
                 create_bucket(url, "interference")
             for _ in range(args.repeats):
-                for mode in ("in_process", "process"):
-                    row = measure(step, mode, url, redis_server.url, args.rounds)
+                for mode in modes:
+                    if args.neighbours:
+                        row = measure_neighbour(step, mode.split()[1], service_cpus)
+                        rows.append(row)
+                        print(
+                            f"{mode:14s} forward {row['before_steps_per_s']:.1f} -> "
+                            f"{row['during_steps_per_s']:.1f} steps/s ({row['ratio']:.2f}x)",
+                            flush=True,
+                        )
+                        continue
+                    row = measure(step, mode, url, redis_server.url, args.rounds, args.pace)
                     rows.append(row)
                     print(
                         f"{mode:10s} forward {row['before_steps_per_s']:.1f} -> "
                         f"{row['during_steps_per_s']:.1f} "
-                        f"steps/s ({row['ratio']:.2f}x) while writing {row['write_mib_per_s']:.0f} MiB/s, "
-                        f"stored {row['stored']}/{row['asked']}",
+                        f"steps/s ({row['ratio']:.2f}x, {row['lost_seconds']:.2f} s lost) while writing "
+                        f"{row['write_mib_per_s']:.0f} MiB/s, stored {row['stored']}/{row['asked']}",
                         flush=True,
                     )
     finally:
         redis_server.close()
-    summary = {
-        mode: statistics.median(r["ratio"] for r in rows if r["mode"] == mode)
-        for mode in ("in_process", "process")
-    }
+    summary = {mode: statistics.median(r["ratio"] for r in rows if r["mode"] == mode) for mode in modes}
     print(
         "median forward rate while writing, over the rate before:",
         {k: round(v, 2) for k, v in summary.items()},

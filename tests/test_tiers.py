@@ -3,11 +3,14 @@ safetensors object format they share."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,10 +22,11 @@ from safetensors import safe_open
 
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
+from tiercache.testing.faults import TcpProxy
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
-from tiercache.tiers.s3 import S3Tier
+from tiercache.tiers.s3 import ObjectBody, S3Tier
 
 DIGEST = "0123456789abcdef"
 BLOCK = 64 * 1024
@@ -533,6 +537,64 @@ def test_s3_many_objects_in_parallel(s3_tier):
     expected = {i: future.result() for i, future in futures.items()}
     reads = {i: s3_tier.pool.submit(read, s3_tier, i, BLOCK + i) for i in range(16)}
     assert all(reads[i].result() == expected[i] for i in range(16))
+
+
+def test_object_body_streams_header_then_pages_as_views():
+    preamble, data = b"h" * 4096, payload(7, 3 * BLOCK)
+    body = ObjectBody(preamble, memoryview(data))
+    assert len(body) == len(preamble) + len(data)
+    first = body.read(1 << 20)
+    assert bytes(first) == preamble  # a short read where the header ends
+    assert isinstance(first, memoryview)  # a view of the slot, not a copy
+    rest = []
+    while chunk := body.read(10_000):
+        rest.append(bytes(chunk))
+    assert b"".join(rest) == data
+    assert body.tell() == len(body) and body.read(5) == b""
+    # botocore rewinds to hash the body, and again to send it on a retry.
+    assert body.seek(0) == 0 and body.read() == preamble + data
+    assert body.seek(-3, 2) == len(body) - 3 and body.read() == data[-3:]
+    assert body.seek(4090) == 4090 and body.read(-1) == preamble[-6:] + data
+
+
+class CutFirstUpload(TcpProxy):
+    """Forwards to S3, but cuts the first connection once it has carried 256 KiB of
+    a request: an upload that breaks off mid-body."""
+
+    def __init__(self, upstream_port: int):
+        super().__init__(upstream_port)
+        self.cut = threading.Event()
+
+    def _pump(self, src, dst) -> None:
+        upload = src.getsockname()[1] == self.port  # from the client, towards S3
+        if not upload or self.cut.is_set():
+            return super()._pump(src, dst)
+        self.cut.set()
+        carried = 0
+        with contextlib.suppress(OSError):
+            while carried < 256 * 1024 and (data := src.recv(65536)):
+                dst.sendall(data)
+                carried += len(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_s3_put_cut_mid_body_is_retried_whole(s3_endpoint, bucket):
+    """A retried PUT sends the body again from its start (the stream is rewound), so
+    the stored object is whole and verifies."""
+    proxy = CutFirstUpload(int(s3_endpoint.rsplit(":", 1)[1])).start()
+    config = S3TierConfig(bucket=bucket, prefix="t/", region="us-east-1", max_attempts=3)
+    through_proxy = S3Tier(config.model_copy(update={"endpoint_url": proxy.url}))
+    direct = S3Tier(config.model_copy(update={"endpoint_url": s3_endpoint}))
+    try:
+        data = put(through_proxy, 5, 2 << 20)
+        assert proxy.cut.is_set()
+        assert read(direct, 5, 2 << 20) == data
+    finally:
+        through_proxy.close()
+        direct.close()
+        proxy.stop()
 
 
 def test_s3_miss_is_not_an_error(s3_tier):
