@@ -90,7 +90,7 @@ def measure_neighbour(step, kind: str, cpus: set[int]) -> dict:
         [sys.executable, "-c", NEIGHBOURS[kind]], preexec_fn=lambda: os.sched_setaffinity(0, cpus)
     )
     try:
-        time.sleep(1.0)  # its imports and buffers
+        time.sleep(2.5)  # its imports and buffers
         during = rate(step, 3.0)
     finally:
         process.kill()
