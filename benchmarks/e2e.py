@@ -1040,7 +1040,7 @@ def plot_more(plt) -> None:
     if store_file.exists():
         data = json.loads(store_file.read_text())
         names = list(data["engines"])
-        fig, ax = plt.subplots(figsize=(7, 3.8))
+        fig, ax = plt.subplots(figsize=(7, 4.6))
         xs = range(len(names))
         ttft_ratios = [data["engines"][n]["ttft_vs_none"] for n in names]
         dec = [data["engines"][n]["decode_vs_none"] for n in names]
@@ -1059,7 +1059,7 @@ def plot_more(plt) -> None:
         ax.set_ylim(0, 1.35)
         ax.set_ylabel("ratio to no connector (median)")
         ax.set_title("Store path: 2000-token cold prompts, 32 tokens generated")
-        ax.legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
         fig.tight_layout()
         fig.savefig(IMG / "e2e-store.png", dpi=110)
         plt.close(fig)
