@@ -412,15 +412,20 @@ def raw_disk_read(root: Path, count: int) -> float:
 
     files = sorted(root.rglob("*.safetensors"))[:count]
     size = max(f.stat().st_size for f in files)
+    buffers = threading.local()
 
-    def read(path: Path, buffers=threading.local()) -> int:
-        if not hasattr(buffers, "one"):
-            buffers.one = bytearray(size)
+    def allocate() -> None:
+        # Each thread's buffer, touched once, before the timing starts.
+        buffers.one = bytearray(b"\1" * size)
+
+    def read(path: Path) -> int:
         with open(path, "rb", buffering=0) as f:
             return f.readinto(buffers.one)
 
-    with ThreadPoolExecutor(MoverConfig().workers) as pool:
-        list(pool.map(read, files[:1]))  # the threads' buffers, outside the timing
+    workers = MoverConfig().workers
+    with ThreadPoolExecutor(workers, initializer=allocate) as pool:
+        # Start every thread (the pool starts one per task until it has them all).
+        list(pool.map(time.sleep, [0.05] * workers))
         start = time.perf_counter()
         list(pool.map(read, files))
         return time.perf_counter() - start
@@ -556,7 +561,7 @@ def summarize_rows(
     decode = {}
     for eng in decode_engines:
         rates = [
-            (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
+            decode_rate(r)
             for r in results_by(engines, eng, "cold").values()
             if r.get("metrics") and r["metrics"]["decode_seconds"] > 0
         ]
