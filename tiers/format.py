@@ -111,12 +111,6 @@ def verify(header: ObjectHeader, data: memoryview) -> None:
     check_digest(header, checksum(data))
 
 
-def new_hasher():
-    """A streaming hasher with the same digest as `checksum`: hashing each chunk just
-    after it is read, while it is still in cache, costs far less than a second pass."""
-    return xxhash.xxh3_64()
-
-
 def check_digest(header: ObjectHeader, actual: str) -> None:
     if actual != header.checksum:
         raise CorruptObject(f"checksum mismatch for {header.key}: {actual} != {header.checksum}")
