@@ -98,3 +98,89 @@ def test_the_upload_process_exits_when_its_worker_goes(engine):
 def test_shm_room():
     assert shm_room("/nonexistent-path") == 0
     assert shm_room() > 0
+
+
+PLACEMENT_SCRIPT = """
+import os, sys, time
+os.sched_setaffinity(0, {0})  # as vLLM's CPU backend binds a worker to the model's core
+from tiercache.config import TierCacheConfig
+from tiercache.engine import ObjectShape, TierEngine
+from tiercache.tiers.cpu import CpuBuffer
+buffer = CpuBuffer(2, 4096, pin_memory=False, shared=True)
+config = TierCacheConfig.model_validate(
+    {"redis_url": sys.argv[1], "s3": {"bucket": sys.argv[3], "endpoint_url": sys.argv[2]}}
+)
+engine = TierEngine(config, ObjectShape("a" * 16, "b" * 16, 4096), buffer)
+stored = []
+engine.write_down(b"\1" * 32, 0, stored.append)
+engine.flush(60)  # one upload done: the process is past its start-up
+print(engine.uploads.pid, stored[0].stored["s3"], flush=True)
+sys.stdin.readline()
+engine.close()
+buffer.close()
+"""
+
+
+def allowed_cpus_of(proc_dir: str) -> set[int]:
+    with open(f"{proc_dir}/status") as f:
+        line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+    out: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+REBIND_LATE = """
+import os, time
+time.sleep(0.5)  # after the worker placed the upload process
+os.sched_setaffinity(0, {0})
+"""
+
+
+def test_the_upload_process_stays_off_the_model_core_under_vllm_openmp_binding(
+    redis_url, s3_endpoint, bucket, tmp_path
+):
+    """vLLM's CPU backend preloads libgomp and sets GOMP_CPU_AFFINITY to the model's
+    cores; a child inheriting both bound itself back onto the model's core, before or
+    after the worker placed it (a race). A sitecustomize that rebinds the process late
+    stands for the losing side of that race, so the test fails without the fix."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the upload process has a core of its own only where there are two")
+    libgomp = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    assert libgomp, "torch's CPU build ships libgomp in torch/lib; vLLM preloads it from there"
+    (tmp_path / "sitecustomize.py").write_text(REBIND_LATE)
+    env = {
+        **os.environ,
+        "LD_PRELOAD": str(libgomp[0]),
+        "GOMP_CPU_AFFINITY": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-c", PLACEMENT_SCRIPT, redis_url, s3_endpoint, bucket],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid, stored = worker.stdout.readline().split()
+        uploader = int(pid)
+        assert stored == "True"
+        with open(f"/proc/{uploader}/environ", "rb") as f:
+            names = {entry.split(b"=", 1)[0].decode() for entry in f.read().split(b"\0") if entry}
+        assert "GOMP_CPU_AFFINITY" not in names and "LD_PRELOAD" in names
+        expected = set(range(os.cpu_count())) - {0}
+        threads = os.listdir(f"/proc/{uploader}/task")
+        assert len(threads) > 1  # its upload threads inherit where the process runs
+        assert [allowed_cpus_of(f"/proc/{uploader}/task/{t}") for t in threads] == [expected] * len(threads)
+        assert os.getpriority(os.PRIO_PROCESS, uploader) > os.getpriority(os.PRIO_PROCESS, worker.pid)
+    finally:
+        worker.communicate("\n", timeout=30)
