@@ -45,8 +45,8 @@ RESTART_PAUSE = 5.0
 SHM_DIR = "/dev/shm"
 # How vLLM's CPU backend pins a worker's OpenMP threads to the model's cores. It also
 # preloads libgomp, which reads these when any process starts: a child that inherited
-# them would bind itself to the model's first core, undoing where it was placed. That
-# happened: the uploads took 8-16% of decode speed from that core.
+# them would bind itself to the model's first core, undoing where it was placed (seen
+# inside vLLM: every upload thread was allowed on the model's core only).
 OPENMP_BINDING_ENV = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
 
 
