@@ -246,10 +246,9 @@ class DiskTier:
         else:
             header = decode_header(os.pread(fd, length, 8))
         check_header(header, key, len(out))
-        if offset == DATA_ALIGN:
-            DiskTier._read_into(fd, out, offset, done=max(got - DATA_ALIGN, 0))
-        else:
-            DiskTier._read_into(fd, out, offset)
+        # The first read already holds the start of the pages only in this tier's layout.
+        done = max(got - DATA_ALIGN, 0) if offset == DATA_ALIGN else 0
+        DiskTier._read_into(fd, out, offset, done)
         verify(header, out)
 
     @staticmethod
