@@ -2,7 +2,8 @@
 worker does them (tiercache.connector.copier.PagedKVCopier into a
 tiercache.tiers.cpu.CpuBuffer, page-locked on CUDA), against the raw copy bandwidth of
 the same bytes as one contiguous tensor.copy_ (pinned cudaMemcpy on CUDA), measured in
-the same run. Needs torch only (no vLLM); prints JSON.
+the same run. Needs torch and prometheus_client only (no vLLM, no install of
+tiercache); prints JSON, then a table.
 
     python benchmarks/gpu_transfer.py                  # CUDA if there is one, else CPU
     python benchmarks/gpu_transfer.py --device cpu     # the CPU twin (vLLM's CPU backend)
@@ -13,29 +14,62 @@ Layouts (one tensor per layer, as vLLM's attention backends allocate them):
 Block sets: `scattered` (random block ids, as vLLM's allocator hands them out after a
 while) and `contiguous` (one run).
 
-For reference it also times a plain-torch gather: index_select of the blocks into one
-contiguous device staging tensor, then one copy to the host (and the reverse for
-scatter): what a batched gather kernel would reach, to show the headroom.
+Three copier paths, each timed: `fused` (the CUDA default: one Triton kernel per batch
+moves every layer's blocks to or from a bounded device staging buffer, then one host
+transfer per run of slots; skipped where Triton is missing), `per_layer` (the same
+staging with one indexed gather or scatter per layer) and `per_run` (one copy per layer
+per run of consecutive blocks, straight to the host: the CPU backend's path). Every
+copy is checked: slots are poisoned first and each block of each layer is compared
+with the paged KV.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tiercache.connector.copier import PagedKVCopier, runs  # noqa: E402
-from tiercache.tiers.cpu import CpuBuffer  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("flash", "blocks_first")
+
+
+def import_copier():
+    """tiercache's copier and CPU buffer, installed or straight from this checkout.
+    From the checkout the connector package is mapped without running its __init__,
+    which imports vLLM: this script runs on GPU machines without vLLM."""
+    try:
+        installed = importlib.util.find_spec("tiercache.tiers") is not None
+    except ModuleNotFoundError:  # no tiercache at all
+        installed = False
+    if not installed:
+        sys.path.insert(0, str(ROOT))
+        for name, folder in (("tiercache.tiers", "tiers"), ("tiercache.connector", "connector")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(ROOT / folder)]
+            sys.modules[name] = package
+    else:
+        try:
+            importlib.import_module("tiercache.connector")
+        except ImportError:  # installed without vLLM
+            package = types.ModuleType("tiercache.connector")
+            package.__path__ = [str(ROOT / "connector")]
+            sys.modules["tiercache.connector"] = package
+    copier = importlib.import_module("tiercache.connector.copier")
+    cpu = importlib.import_module("tiercache.tiers.cpu")
+    return copier, cpu.CpuBuffer
+
+
+copier_module, CpuBuffer = import_copier()
+PagedKVCopier = copier_module.PagedKVCopier
 
 
 def sync(device: torch.device) -> None:
@@ -65,95 +99,143 @@ def make_caches(args, layout: str, device: torch.device, dtype: torch.dtype) -> 
     }
 
 
-def reference_times(copier, ids, flat_host, device, pinned: bool, args) -> tuple[float, float]:
-    """One index_select per layer into a contiguous device staging tensor, then one
-    copy (and the reverse): what a batched gather kernel reaches."""
-    index = torch.tensor(ids, device=device)
-    total = sum(len(ids) * region.nbytes for region in copier.regions)
-    stage = torch.empty(total, dtype=torch.uint8, device=device)
-    views = []
-    offset = 0
+def slots_hold(copier, buffer, ids, slots) -> bool:
+    """Every layer of every block is in its slot, where the slot layout puts it."""
+    index = torch.tensor(ids, device=copier.device)
     for region in copier.regions:
-        count = len(ids) * region.nbytes
-        view = stage[offset : offset + count].view(region.blocks.dtype)
-        views.append(view.view(len(ids), *region.blocks.shape[1:]))
-        offset += count
+        want = region.blocks.index_select(0, index).cpu()
+        host = buffer.tensor[slots, region.offset : region.offset + region.nbytes]
+        got = host.view(region.blocks.dtype).view(len(ids), *region.blocks.shape[1:])
+        if not torch.equal(got, want):
+            return False
+    return True
 
-    def ref_gather():
-        for region, view in zip(copier.regions, views, strict=True):
-            torch.index_select(region.blocks, 0, index, out=view)
-        flat_host[:total].copy_(stage, non_blocking=pinned)
 
-    def ref_scatter():
-        stage.copy_(flat_host[:total], non_blocking=pinned)
-        for region, view in zip(copier.regions, views, strict=True):
-            region.blocks.index_copy_(0, index, view)
-
-    return timeit(ref_gather, device, args.repeats), timeit(ref_scatter, device, args.repeats)
+def check(copier, buffer, caches, ids, slots) -> dict[str, bool]:
+    """Gather into poisoned slots and compare; then wipe those blocks in the paged KV,
+    scatter them back, and compare with what was there."""
+    for slot in slots:
+        buffer.tensor[slot].fill_(0xA5)
+    copier.to_slots(ids, slots, buffer)
+    gathered = slots_hold(copier, buffer, ids, slots)
+    index = torch.tensor(ids, device=copier.device)
+    saved = [region.blocks.index_select(0, index) for region in copier.regions]
+    for region in copier.regions:
+        region.blocks.index_fill_(0, index, 0)
+    copier.from_slots(slots, ids, buffer)
+    sync(copier.device)
+    scattered = all(
+        torch.equal(region.blocks.index_select(0, index), before)
+        for region, before in zip(copier.regions, saved, strict=True)
+    )
+    return {"gather_correct": gathered, "scatter_correct": scattered}
 
 
 def bench_layout(args, layout: str, device: torch.device, dtype: torch.dtype) -> dict:
     caches = make_caches(args, layout, device, dtype)
-    copier = PagedKVCopier(caches, args.num_blocks)
     pinned = device.type == "cuda"
-    buffer = CpuBuffer(args.blocks, copier.slot_bytes, pin_memory=pinned)
-    slots = list(range(args.blocks))
-    nbytes = args.blocks * copier.slot_bytes
+    copiers = {
+        "fused": PagedKVCopier(caches, args.num_blocks, staged=True, fused=True),
+        "per_layer": PagedKVCopier(caches, args.num_blocks, staged=True, fused=False),
+        "per_run": PagedKVCopier(caches, args.num_blocks, staged=False),
+    }
+    began = time.perf_counter()
+    copiers["fused"].warm_up()  # compiles the kernels: once per engine start
+    warm_up_s = time.perf_counter() - began
+    if copiers["fused"].fused is None:
+        del copiers["fused"]  # no Triton here, or a layout it cannot address
+    slot_bytes = copiers["per_run"].slot_bytes
+    buffer = CpuBuffer(args.blocks, slot_bytes, pin_memory=pinned)
+    nbytes = args.blocks * slot_bytes
     gen = torch.Generator().manual_seed(0)
 
     # Raw: the same bytes as one contiguous tensor, to and from the same host buffer.
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_host = buffer.tensor.view(-1)
-
-    def raw_d2h():
-        flat_host.copy_(flat_dev, non_blocking=pinned)
-
-    def raw_h2d():
-        flat_dev.copy_(flat_host, non_blocking=pinned)
-
     raw = {
-        "d2h": nbytes / timeit(raw_d2h, device, args.repeats),
-        "h2d": nbytes / timeit(raw_h2d, device, args.repeats),
+        "d2h": nbytes / timeit(lambda: flat_host.copy_(flat_dev, non_blocking=pinned), device, args.repeats),
+        "h2d": nbytes / timeit(lambda: flat_dev.copy_(flat_host, non_blocking=pinned), device, args.repeats),
     }
-    out: dict = {"slot_bytes": copier.slot_bytes, "bytes_per_transfer": nbytes, "raw_gbps": {}, "cases": {}}
-    out["raw_gbps"] = {k: v / 1e9 for k, v in raw.items()}
+    out: dict = {
+        "slot_bytes": slot_bytes,
+        "fused_warm_up_s": warm_up_s if "fused" in copiers else None,
+        "bytes_per_transfer": nbytes,
+        "raw_gbps": {k: v / 1e9 for k, v in raw.items()},
+        "cases": {},
+    }
+    # Slots in the CPU tier are handed out in any order too: scatter them, in runs of 4.
+    slot_order = torch.randperm(args.blocks // 4, generator=gen).tolist()
+    scattered_slots = [4 * run + i for run in slot_order for i in range(4)]
+    scattered_slots += list(range(len(scattered_slots), args.blocks))
     for kind in ("scattered", "contiguous"):
         if kind == "scattered":
             ids = torch.randperm(args.num_blocks, generator=gen)[: args.blocks].tolist()
+            slots = scattered_slots
         else:
-            ids = list(range(args.blocks))
-        gather = timeit(lambda ids=ids: copier.to_slots(ids, slots, buffer), device, args.repeats)
-        scatter = timeit(lambda ids=ids: copier.from_slots(slots, ids, buffer), device, args.repeats)
-
-        # Check: a round trip through the slots puts back the same bytes.
-        saved = {n: t.clone() for n, t in caches.items()}
-        copier.to_slots(ids, slots, buffer)
-        for t in caches.values():
-            t.zero_()
-        copier.from_slots(slots, ids, buffer)
-        sync(device)
-        bdim = 1 if layout == "flash" else 0
-        index = torch.tensor(ids, device=device)
-        ok = all(
-            torch.equal(caches[n].index_select(bdim, index), saved[n].index_select(bdim, index))
-            for n in caches
-        )
-        for n, t in caches.items():
-            t.copy_(saved[n])
-        del saved
-
-        rg, rs = reference_times(copier, ids, flat_host, device, pinned, args)
-        out["cases"][kind] = {
-            "correct_round_trip": ok,
-            "gather_gbps": nbytes / gather / 1e9,
-            "scatter_gbps": nbytes / scatter / 1e9,
-            "gather_vs_raw": nbytes / gather / raw["d2h"],
-            "scatter_vs_raw": nbytes / scatter / raw["h2d"],
-            "runs_of_blocks": len(runs(ids, slots)),
-            "ref_index_select_gather_vs_raw": nbytes / rg / raw["d2h"],
-            "ref_index_copy_scatter_vs_raw": nbytes / rs / raw["h2d"],
+            ids, slots = list(range(args.blocks)), list(range(args.blocks))
+        case: dict = {
+            "runs_of_blocks": len(copier_module.runs(ids, slots)),
+            "runs_of_slots": len(copier_module.slot_runs(slots)),
         }
+        for path, copier in copiers.items():
+            gather = timeit(lambda c=copier, i=ids, s=slots: c.to_slots(i, s, buffer), device, args.repeats)
+            scatter = timeit(
+                lambda c=copier, i=ids, s=slots: c.from_slots(s, i, buffer), device, args.repeats
+            )
+            case[path] = {
+                **check(copier, buffer, caches, ids, slots),
+                "gather_ms": gather * 1e3,
+                "scatter_ms": scatter * 1e3,
+                "gather_vs_raw": nbytes / gather / raw["d2h"],
+                "scatter_vs_raw": nbytes / scatter / raw["h2d"],
+            }
+        out["cases"][kind] = case
+    if layout == "flash" and device.type == "cuda":
+        # How large a staging buffer the batched path needs to keep transfers at speed.
+        ids = torch.randperm(args.num_blocks, generator=gen)[: args.blocks].tolist()
+        sweep = {}
+        for mib in args.staging_sweep:
+            copier = PagedKVCopier(caches, args.num_blocks, staged=True, staging_bytes=mib << 20)
+            if copier.fused is None:
+                break
+            gather = timeit(lambda c=copier: c.to_slots(ids, scattered_slots, buffer), device, args.repeats)
+            scatter = timeit(
+                lambda c=copier: c.from_slots(scattered_slots, ids, buffer), device, args.repeats
+            )
+            sweep[str(mib)] = {
+                "gather_vs_raw": nbytes / gather / raw["d2h"],
+                "scatter_vs_raw": nbytes / scatter / raw["h2d"],
+            }
+        out["staging_mib_sweep_scattered"] = sweep
     return out
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"{result['device']}, {result['dtype']}, {result['args']['blocks']} blocks a transfer",
+        "layout        blocks      path      gather/raw  scatter/raw  gather ms  scatter ms  correct",
+    ]
+    for layout, data in result["layouts"].items():
+        for kind, case in data["cases"].items():
+            for path in ("fused", "per_layer", "per_run"):
+                if path not in case:
+                    continue
+                c = case[path]
+                ok = c["gather_correct"] and c["scatter_correct"]
+                lines.append(
+                    f"{layout:13} {kind:11} {path:9} {c['gather_vs_raw']:10.2f} {c['scatter_vs_raw']:12.2f}"
+                    f" {c['gather_ms']:10.2f} {c['scatter_ms']:11.2f}  {ok}"
+                )
+        raw = data["raw_gbps"]
+        lines.append(f"{layout:13} raw d2h {raw['d2h']:.1f} GB/s, h2d {raw['h2d']:.1f} GB/s")
+        if data["fused_warm_up_s"] is not None:
+            lines.append(f"{layout:13} fused kernels built in {data['fused_warm_up_s']:.2f} s (start-up)")
+        for mib, s in data.get("staging_mib_sweep_scattered", {}).items():
+            lines.append(
+                f"{layout:13} staging {mib:>4} MiB: gather {s['gather_vs_raw']:.2f}, "
+                f"scatter {s['scatter_vs_raw']:.2f} of raw"
+            )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -174,6 +256,12 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=128, help="blocks per transfer (2048 tokens at 16)")
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument(
+        "--staging-sweep",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[2, 8, 32, 64, 256],
+        help="staging buffer sizes in MiB to time on CUDA (comma-separated)",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -188,11 +276,13 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
         "args": vars(args),
+        "staging_bytes_default": copier_module.STAGING_BYTES,
         "pinned_host_buffer": device.type == "cuda",
         "layouts": {layout: bench_layout(args, layout, device, dtype) for layout in LAYOUTS},
     }
     text = json.dumps(result, indent=1)
     print(text)
+    print(table(result))
     if args.out:
         Path(args.out).write_text(text)
 

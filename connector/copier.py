@@ -10,6 +10,8 @@ page-locked buffer, ordered after the compute stream, and an event marks their e
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,7 +19,14 @@ import torch
 
 from tiercache.tiers.cpu import CpuBuffer
 
+from .fused_copy import FusedBlockCopy
+
+log = logging.getLogger(__name__)
+
 _ALIGN = 64  # keeps every layer's region aligned for any dtype view
+# Device memory a staged copy borrows, beyond what vLLM budgeted for its KV cache:
+# enough for each batch's host transfer to run near full bandwidth.
+STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,18 @@ def runs(block_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, its position in `slots`, length) for each stretch of consecutive slots."""
+    out: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(slots):
+        if out and slot == out[-1][0] + out[-1][2]:
+            first, start, n = out[-1]
+            out[-1] = (first, start, n + 1)
+        else:
+            out.append((slot, position, 1))
+    return out
+
+
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     for dim, size in enumerate(tensor.shape):
         if size == num_blocks:
@@ -51,7 +72,14 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
 
 
 class PagedKVCopier:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, staged: bool | None = None):
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        staged: bool | None = None,
+        staging_bytes: int = STAGING_BYTES,
+        fused: bool | None = None,
+    ):
         if not kv_caches:
             raise ValueError("no KV cache tensors were registered")
         self.num_blocks = num_blocks
@@ -71,11 +99,16 @@ class PagedKVCopier:
         self.dtype = first.dtype
         self.on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
-        # Staged copies gather a run of blocks (all layers) into one device buffer laid
-        # out like the slots, so the host side of the transfer is a single contiguous
-        # DMA into page-locked memory. Direct copies suit the CPU backend, where the
-        # "device" is host memory already. The staged path runs on CPU too, as its twin.
+        # Staged copies gather blocks (all layers) into a device buffer laid out like the
+        # slots, so the host side of the transfer is a few large DMAs into page-locked
+        # memory. Direct copies suit the CPU backend, where the "device" is host memory
+        # already. The staged path runs on CPU too, as its twin.
         self.staged = self.on_cuda if staged is None else staged
+        self.staging_bytes = staging_bytes
+        # One kernel per batch for every layer where the layout allows (see
+        # fused_copy.py); on by default on CUDA only, where launches cost the most.
+        use_fused = self.staged and (self.on_cuda if fused is None else fused)
+        self.fused = FusedBlockCopy.for_regions(regions, self.slot_bytes, self.device) if use_fused else None
 
     def describe(self) -> tuple[str, str, str]:
         """(layout, dtype, shapes) for object headers: enough to tell what the bytes are."""
@@ -97,22 +130,30 @@ class PagedKVCopier:
     def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:
         if not block_ids:
             return
-        spans = runs(block_ids, slots)
         if self._stream is None:
-            self._copy_spans(spans, buffer, out_of_kv, non_blocking=False)
+            index = torch.tensor(block_ids, dtype=torch.long) if self.staged else None
+            self._copy_blocks(block_ids, slots, buffer, out_of_kv, False, index)
             return
-        # The copy stream waits for the forward that wrote (or will read) these blocks.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            self._copy_spans(spans, buffer, out_of_kv, non_blocking=buffer.pinned)
+            # The block index goes up before the copy stream waits for the forward: an
+            # upload from pageable memory holds the host until its stream is idle, and
+            # made per batch it would stop the host queueing batches ahead of the GPU.
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device) if self.staged else None
+            # The copy stream waits for the forward that wrote (or will read) these blocks.
+            self._stream.wait_stream(compute)
+            self._copy_blocks(block_ids, slots, buffer, out_of_kv, buffer.pinned, index)
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()
 
-    def _copy_spans(self, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool) -> None:
+    def _copy_blocks(
+        self, block_ids, slots, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool, index
+    ) -> None:
         if self.staged:
-            self._copy_spans_staged(spans, buffer, out_of_kv, non_blocking)
+            self._copy_staged(index, slots, buffer, out_of_kv, non_blocking)
             return
+        spans = runs(block_ids, slots)
         for region in self.regions:
             self.copy_region(region, spans, buffer, out_of_kv, non_blocking)
 
@@ -129,23 +170,74 @@ class PagedKVCopier:
             else:
                 kv.copy_(host, non_blocking=non_blocking)
 
-    def _copy_spans_staged(self, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool) -> None:
-        longest = max(n for _, _, n in spans)
-        staging = torch.empty((longest, self.slot_bytes), dtype=torch.uint8, device=self.device)
-        for block, slot, n in spans:
-            host = buffer.tensor[slot : slot + n]  # n whole slots: contiguous
+    def _copy_staged(
+        self, index: torch.Tensor, slots: list[int], buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool
+    ) -> None:
+        """Blocks gathered (or scattered) on the device into a buffer laid out like the
+        slots, which crosses to the host in one transfer per run of consecutive slots.
+        Copying run by run instead costs one transfer per layer per run: thousands of
+        small ones for blocks scattered across the paged KV."""
+        per_batch = max(1, self.staging_bytes // self.slot_bytes)
+        if per_batch > 1:
+            # Even, so every batch's slice of the index starts 16-byte aligned: Triton
+            # compiles a kernel per alignment, and a second compile costs a request.
+            per_batch -= per_batch % 2
+        staging = torch.empty(
+            (min(per_batch, len(slots)), self.slot_bytes), dtype=torch.uint8, device=self.device
+        )
+        # Everything below is in one stream's order, so a batch cannot overwrite the
+        # staging buffer before the last batch's transfers have read it.
+        for start in range(0, len(slots), per_batch):
+            batch = index[start : start + per_batch]
+            n = len(batch)
             stage = staging[:n]
+            host_runs = slot_runs(slots[start : start + n])
             if out_of_kv:
-                for region in self.regions:
-                    self._stage_view(stage, region, n).copy_(region.blocks[block : block + n])
-                host.copy_(stage, non_blocking=non_blocking)
+                self._gather(batch, stage)
+                for slot, position, count in host_runs:
+                    buffer.tensor[slot : slot + count].copy_(
+                        stage[position : position + count], non_blocking=non_blocking
+                    )
             else:
-                stage.copy_(host, non_blocking=non_blocking)
-                for region in self.regions:
-                    region.blocks[block : block + n].copy_(self._stage_view(stage, region, n))
-            if non_blocking and len(spans) > 1:
-                # The next run reuses the staging buffer: wait for this one's transfer.
-                torch.cuda.current_stream(self.device).synchronize()
+                for slot, position, count in host_runs:
+                    stage[position : position + count].copy_(
+                        buffer.tensor[slot : slot + count], non_blocking=non_blocking
+                    )
+                self._scatter(stage, batch)
+
+    def warm_up(self) -> None:
+        """Compile the one-launch kernels now, at start-up, not in the first request
+        (about a second each on first use): block 0 is gathered and written back. A
+        kernel that does not build here leaves the per-layer copies in its place."""
+        if self.fused is None:
+            return
+        try:
+            with torch.cuda.stream(self._stream) if self.on_cuda else contextlib.nullcontext():
+                index = torch.zeros(1, dtype=torch.long, device=self.device)
+                stage = torch.empty((1, self.slot_bytes), dtype=torch.uint8, device=self.device)
+                self.fused.gather(index, stage)
+                self.fused.scatter(stage, index)
+            if self.on_cuda:
+                self._stream.synchronize()
+        except Exception as error:  # a Triton or driver that cannot build it
+            log.warning(
+                "tiercache: the one-launch block copy is unavailable (%s); copying layer by layer", error
+            )
+            self.fused = None
+
+    def _gather(self, index: torch.Tensor, stage: torch.Tensor) -> None:
+        if self.fused is not None:
+            self.fused.gather(index, stage)
+            return
+        for region in self.regions:
+            torch.index_select(region.blocks, 0, index, out=self._stage_view(stage, region, len(index)))
+
+    def _scatter(self, stage: torch.Tensor, index: torch.Tensor) -> None:
+        if self.fused is not None:
+            self.fused.scatter(stage, index)
+            return
+        for region in self.regions:
+            region.blocks.index_copy_(0, index, self._stage_view(stage, region, len(index)))
 
     @staticmethod
     def _stage_view(stage: torch.Tensor, region: LayerRegion, n: int) -> torch.Tensor:

@@ -112,6 +112,7 @@ class TierCacheWorker:
             log.error("tiercache: %s", self.disabled_reason)
             return
         self.copier = copier
+        copier.warm_up()
         if not copier.on_cuda and not copier.staged:
             # CUDA copies are already asynchronous on their own stream.
             self._layer_helper = ThreadPoolExecutor(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiercache.config import build_config
-from tiercache.connector.copier import PagedKVCopier, runs
+from tiercache.connector.copier import PagedKVCopier, runs, slot_runs
 from tiercache.connector.metadata import (
     FILL_FAILED,
     FILLED,
@@ -38,6 +38,11 @@ def test_runs_group_consecutive_blocks_and_slots():
     assert runs([], []) == []
 
 
+def test_slot_runs_group_consecutive_slots_with_their_positions():
+    assert slot_runs([6, 7, 0, 1, 3]) == [(6, 0, 2), (0, 2, 2), (3, 4, 1)]
+    assert slot_runs([]) == []
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["direct (CPU backend)", "staged (CUDA path's twin)"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_copier_round_trip_on_each_layout(layout, staged):
@@ -57,6 +62,38 @@ def test_copier_round_trip_on_each_layout(layout, staged):
         for src, dst in zip(blocks, [1, 2, 3, 10, 11], strict=True):
             assert torch.equal(got[dst], want[src]), (name, src, dst)
         assert not got[4].any()  # untouched blocks stay as they were
+
+
+@pytest.mark.parametrize("staging_slots", [1, 2, 64], ids=["one block a batch", "two", "all at once"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staged_copies_fill_slots_byte_for_byte_as_direct_copies_do(layout, staging_slots):
+    """A slot written on a GPU host is read on CPU hosts and the other way round: the
+    batched gather must lay each slot out exactly as the per-run copies do, whatever
+    batches its staging buffer splits the copy into."""
+    torch.manual_seed(1)
+    kv = {f"model.layers.{i}.attn": LAYOUTS[layout]() for i in range(3)}
+    direct = PagedKVCopier(kv, NUM_BLOCKS, staged=False)
+    staged = PagedKVCopier(kv, NUM_BLOCKS, staged=True, staging_bytes=staging_slots * direct.slot_bytes)
+    blocks, slots = [11, 3, 4, 5, 0, 9, 1], [6, 7, 0, 1, 2, 3, 5]
+    want = CpuBuffer(8, direct.slot_bytes, pin_memory=False)
+    got = CpuBuffer(8, direct.slot_bytes, pin_memory=False)
+    got.tensor.fill_(0xAB)  # poisoned: a slot the gather skipped would show
+    direct.to_slots(blocks, slots, want)
+    staged.to_slots(blocks, slots, got)
+    for slot in slots:
+        assert torch.equal(got.tensor[slot], want.tensor[slot]), slot
+    assert (got.tensor[4] == 0xAB).all()  # a slot outside the copy is left alone
+
+    targets = [0, 2, 6, 7, 8, 10, 11]
+    expected = {name: t.clone() for name, t in kv.items()}
+    for name, tensor in expected.items():
+        dim = next(d for d, s in enumerate(tensor.shape) if s == NUM_BLOCKS)
+        direct_view = tensor.movedim(dim, 0)
+        for src, dst in zip(blocks, targets, strict=True):
+            direct_view[dst] = kv[name].movedim(dim, 0)[src]
+    staged.from_slots(slots, targets, got)
+    for name in kv:
+        assert torch.equal(kv[name], expected[name]), name
 
 
 def test_copier_refuses_tensors_without_a_block_dimension():

@@ -1,0 +1,152 @@
+"""One kernel launch moves a batch of blocks, every layer at once, between the paged KV
+and a device staging buffer laid out like the CPU slots.
+
+The plain-torch way is one indexed gather (or scatter) per layer per batch. On an H100
+each such launch costs the host about 18 microseconds, and 32 of them for a 64 MiB
+batch took longer to issue than the batch took to cross PCIe: the transfer waited on
+Python (see docs/benchmarks-e2e.md, "GPU transfers"). Here the host issues one launch
+per batch and the GPU walks a table of layer addresses.
+
+A layer qualifies when each block is `parts` equal contiguous pieces at a fixed
+distance from each other: one piece for block-first layouts, two (K and V) for
+FlashAttention's `(2, num_blocks, ...)`. Every layer must share those numbers and the
+words must be 4-byte aligned; otherwise `FusedBlockCopy.for_regions` returns None and
+the copier keeps its per-layer path. Triton ships with vLLM's GPU build; under
+`TRITON_INTERPRET=1` the same kernel runs on CPU tensors, which is how it is tested on
+machines without a GPU."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # vLLM's CPU build may come without it; the copier falls back
+    triton = None
+
+_WORD = 4  # bytes moved per element: int32 words
+_CHUNK = 2048  # words per program
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks(
+        layer_ptrs,  # int64 address of block 0, piece 0, of each layer
+        layer_offsets,  # int64 word offset of each layer inside a slot
+        index,  # int64 block id for each stage row
+        stage,  # int32 words, one slot per row
+        block_stride,  # words between consecutive blocks of a layer
+        part_stride,  # words between the pieces of one block
+        parts,
+        part_words,
+        slot_words,
+        TO_STAGE: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        layer_part = tl.program_id(1)
+        chunk = tl.program_id(2).to(tl.int64)
+        layer = layer_part // parts
+        part = (layer_part % parts).to(tl.int64)
+        kv = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int32))
+        block = tl.load(index + row)
+        kv = kv + block * block_stride + part * part_stride
+        slot = stage + row * slot_words + tl.load(layer_offsets + layer) + part * part_words
+        words = chunk * CHUNK + tl.arange(0, CHUNK)
+        inside = words < part_words
+        if TO_STAGE:
+            tl.store(slot + words, tl.load(kv + words, mask=inside), mask=inside)
+        else:
+            tl.store(kv + words, tl.load(slot + words, mask=inside), mask=inside)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    parts: int
+    part_words: int
+    part_stride: int  # in words
+    block_stride: int  # in words
+
+
+def _piece_shape(blocks: torch.Tensor) -> _Shape | None:
+    """How a layer's block (dim 0 of `blocks`) splits into equal contiguous pieces."""
+    size = blocks.element_size()
+    dims = list(zip(blocks.shape[1:], blocks.stride()[1:], strict=True))
+    # The longest tail of dimensions that is contiguous in memory is one piece.
+    piece_elems, expected = 1, 1
+    while dims and (dims[-1][0] == 1 or dims[-1][1] == expected):
+        extent, _ = dims.pop()
+        piece_elems *= extent
+        expected *= extent
+    dims = [(extent, stride) for extent, stride in dims if extent != 1]
+    if len(dims) > 1:
+        return None
+    parts, part_stride = dims[0] if dims else (1, 0)
+    byte_sizes = (piece_elems * size, part_stride * size, blocks.stride(0) * size, blocks.data_ptr())
+    if any(value % _WORD for value in byte_sizes):
+        return None
+    return _Shape(
+        parts, piece_elems * size // _WORD, part_stride * size // _WORD, blocks.stride(0) * size // _WORD
+    )
+
+
+class FusedBlockCopy:
+    def __init__(self, shape: _Shape, layer_ptrs: torch.Tensor, layer_offsets: torch.Tensor, slot_bytes: int):
+        self._shape = shape
+        self._layer_ptrs = layer_ptrs
+        self._layer_offsets = layer_offsets
+        self._slot_words = slot_bytes // _WORD
+        self._layers = len(layer_ptrs)
+
+    @classmethod
+    def for_regions(cls, regions, slot_bytes: int, device: torch.device) -> FusedBlockCopy | None:
+        """The kernel for these layers, or None where it does not apply (no Triton,
+        layers of different shapes, unaligned words): the caller copies layer by layer."""
+        if triton is None or slot_bytes % _WORD:
+            return None
+        shapes = {_piece_shape(region.blocks) for region in regions}
+        if len(shapes) != 1 or None in shapes:
+            return None
+        if any(region.offset % _WORD for region in regions):
+            return None
+        (shape,) = shapes
+        # Each layer's pieces must tile its region of the slot exactly.
+        if any(shape.parts * shape.part_words * _WORD != region.nbytes for region in regions):
+            return None
+        ptrs = torch.tensor(
+            [region.blocks.data_ptr() for region in regions], dtype=torch.int64, device=device
+        )
+        offsets = torch.tensor(
+            [region.offset // _WORD for region in regions], dtype=torch.int64, device=device
+        )
+        return cls(shape, ptrs, offsets, slot_bytes)
+
+    def _launch(self, index: torch.Tensor, stage: torch.Tensor, to_stage: bool) -> None:
+        shape = self._shape
+        grid = (len(index), self._layers * shape.parts, math.ceil(shape.part_words / _CHUNK))
+        _copy_blocks[grid](
+            self._layer_ptrs,
+            self._layer_offsets,
+            index,
+            stage.view(torch.int32),
+            shape.block_stride,
+            shape.part_stride,
+            shape.parts,
+            shape.part_words,
+            self._slot_words,
+            TO_STAGE=to_stage,
+            CHUNK=_CHUNK,
+        )
+
+    def gather(self, index: torch.Tensor, stage: torch.Tensor) -> None:
+        """stage[i] = every layer of block index[i], laid out as a slot."""
+        self._launch(index, stage, to_stage=True)
+
+    def scatter(self, stage: torch.Tensor, index: torch.Tensor) -> None:
+        """Every layer of block index[i] = stage[i]."""
+        self._launch(index, stage, to_stage=False)
