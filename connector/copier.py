@@ -4,9 +4,16 @@ Each layer is viewed with its block dimension first, `(num_blocks, ...)`; one sl
 holds a block's bytes for every layer of this rank, layer after layer. Nothing here
 assumes a shape: the block dimension is found by its size.
 
-Copies are batched into runs: consecutive blocks that land in consecutive slots move
-in one strided copy per layer. On CUDA the copies run on a dedicated stream out of a
-page-locked buffer, ordered after the compute stream, and an event marks their end."""
+Three ways to copy, picked per copy:
+- one launch (CUDA default): a Triton kernel moves every layer of every block straight
+  between the paged KV and the page-locked CPU tier (fused_copy.py);
+- staged: one indexed kernel per layer into a bounded device buffer laid out like the
+  slots, then one transfer per run of slots (CUDA without Triton or with a layout the
+  kernel cannot address);
+- direct: one strided copy per layer per run of consecutive blocks and slots (the CPU
+  backend, where the "device" is host memory already).
+On CUDA the copies run on a dedicated stream ordered after the compute stream, and an
+event marks their end."""
 
 from __future__ import annotations
 
@@ -98,16 +105,12 @@ class PagedKVCopier:
         self.device = first.device
         self.dtype = first.dtype
         self.on_cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
-        # Staged copies gather blocks (all layers) into a device buffer laid out like the
-        # slots, so the host side of the transfer is a few large DMAs into page-locked
-        # memory. Direct copies suit the CPU backend, where the "device" is host memory
-        # already. The staged path runs on CPU too, as its twin.
+        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.layer_numbers = {region.name: i for i, region in enumerate(regions)}
+        # Both default to the CUDA path; tests force them on CPU tensors as its twin.
         self.staged = self.on_cuda if staged is None else staged
         self.staging_bytes = staging_bytes
-        # One kernel per batch for every layer where the layout allows (see
-        # fused_copy.py); on by default on CUDA only, where launches cost the most.
-        use_fused = self.staged and (self.on_cuda if fused is None else fused)
+        use_fused = self.on_cuda if fused is None else fused
         self.fused = FusedBlockCopy.for_regions(regions, self.slot_bytes, self.device) if use_fused else None
 
     def describe(self) -> tuple[str, str, str]:
@@ -127,35 +130,50 @@ class PagedKVCopier:
         """Copy CPU slots into blocks of the paged KV; returns when the copy is done."""
         self._copy(block_ids, slots, buffer, out_of_kv=False)
 
+    def one_launch(self, buffer: CpuBuffer) -> bool:
+        """Whether copies with this buffer go through the one-launch kernel: the GPU
+        must be able to address the slots, which page-locked memory allows."""
+        return self.fused is not None and (buffer.pinned or not self.on_cuda)
+
+    def tables(self, block_ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids, slot numbers) on the device, in one upload. On CUDA, call it
+        before the copy stream waits for the forward: an upload from pageable memory
+        holds the host until its stream is idle."""
+        both = torch.tensor([block_ids, slots], dtype=torch.long, device=self.device)
+        return both[0], both[1]
+
     def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:
         if not block_ids:
             return
-        if self._stream is None:
-            index = torch.tensor(block_ids, dtype=torch.long) if self.staged else None
-            self._copy_blocks(block_ids, slots, buffer, out_of_kv, False, index)
+        if self.stream is None:
+            self._copy_blocks(block_ids, slots, buffer, out_of_kv, False)
             return
         compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            # The block index goes up before the copy stream waits for the forward: an
-            # upload from pageable memory holds the host until its stream is idle, and
-            # made per batch it would stop the host queueing batches ahead of the GPU.
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.device) if self.staged else None
+        with torch.cuda.stream(self.stream):
+            tables = self.tables(block_ids, slots)
             # The copy stream waits for the forward that wrote (or will read) these blocks.
-            self._stream.wait_stream(compute)
-            self._copy_blocks(block_ids, slots, buffer, out_of_kv, buffer.pinned, index)
+            self.stream.wait_stream(compute)
+            self._copy_blocks(block_ids, slots, buffer, out_of_kv, buffer.pinned, tables)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(self.stream)
         done.synchronize()
 
     def _copy_blocks(
-        self, block_ids, slots, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool, index
-    ) -> None:
-        if self.staged:
+        self, block_ids, slots, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool, tables=None
+    ):
+        if self.one_launch(buffer) or self.staged:
+            index, rows = tables or self.tables(block_ids, slots)
+        if self.one_launch(buffer):
+            if out_of_kv:
+                self.fused.gather(index, rows, buffer.tensor)
+            else:
+                self.fused.scatter(buffer.tensor, rows, index)
+        elif self.staged:
             self._copy_staged(index, slots, buffer, out_of_kv, non_blocking)
-            return
-        spans = runs(block_ids, slots)
-        for region in self.regions:
-            self.copy_region(region, spans, buffer, out_of_kv, non_blocking)
+        else:
+            spans = runs(block_ids, slots)
+            for region in self.regions:
+                self.copy_region(region, spans, buffer, out_of_kv, non_blocking)
 
     def copy_region(
         self, region: LayerRegion, spans, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool = False
@@ -178,10 +196,6 @@ class PagedKVCopier:
         Copying run by run instead costs one transfer per layer per run: thousands of
         small ones for blocks scattered across the paged KV."""
         per_batch = max(1, self.staging_bytes // self.slot_bytes)
-        if per_batch > 1:
-            # Even, so every batch's slice of the index starts 16-byte aligned: Triton
-            # compiles a kernel per alignment, and a second compile costs a request.
-            per_batch -= per_batch % 2
         staging = torch.empty(
             (min(per_batch, len(slots)), self.slot_bytes), dtype=torch.uint8, device=self.device
         )
@@ -193,7 +207,8 @@ class PagedKVCopier:
             stage = staging[:n]
             host_runs = slot_runs(slots[start : start + n])
             if out_of_kv:
-                self._gather(batch, stage)
+                for region in self.regions:
+                    torch.index_select(region.blocks, 0, batch, out=self._stage_view(stage, region, n))
                 for slot, position, count in host_runs:
                     buffer.tensor[slot : slot + count].copy_(
                         stage[position : position + count], non_blocking=non_blocking
@@ -203,41 +218,34 @@ class PagedKVCopier:
                     stage[position : position + count].copy_(
                         buffer.tensor[slot : slot + count], non_blocking=non_blocking
                     )
-                self._scatter(stage, batch)
+                for region in self.regions:
+                    region.blocks.index_copy_(0, batch, self._stage_view(stage, region, n))
 
-    def warm_up(self) -> None:
-        """Compile the one-launch kernels now, at start-up, not in the first request
-        (about a second each on first use): block 0 is gathered and written back. A
-        kernel that does not build here leaves the per-layer copies in its place."""
-        if self.fused is None:
+    def warm_up(self, buffer: CpuBuffer) -> None:
+        """Build the one-launch kernels now, at start-up, not in the first request (a
+        second or two on first use), and check on this machine that they reach the
+        CPU tier: block 0 goes to slot 0, is compared, and is written back. Anything
+        amiss leaves the other copy paths in their place."""
+        if not self.one_launch(buffer):
             return
         try:
-            with torch.cuda.stream(self._stream) if self.on_cuda else contextlib.nullcontext():
-                index = torch.zeros(1, dtype=torch.long, device=self.device)
-                stage = torch.empty((1, self.slot_bytes), dtype=torch.uint8, device=self.device)
-                self.fused.gather(index, stage)
-                self.fused.scatter(stage, index)
-            if self.on_cuda:
-                self._stream.synchronize()
-        except Exception as error:  # a Triton or driver that cannot build it
+            with torch.cuda.stream(self.stream) if self.on_cuda else contextlib.nullcontext():
+                index, rows = self.tables([0], [0])
+                self.fused.gather(index, rows, buffer.tensor)
+                if self.on_cuda:
+                    self.stream.synchronize()
+                for region in self.regions:
+                    want = region.blocks[0].cpu().reshape(-1).view(torch.uint8)
+                    if not torch.equal(buffer.tensor[0, region.offset : region.offset + region.nbytes], want):
+                        raise RuntimeError(f"layer {region.name} did not reach the slot intact")
+                self.fused.scatter(buffer.tensor, rows, index)
+                if self.on_cuda:
+                    self.stream.synchronize()
+        except Exception as error:  # a Triton or driver that cannot build or map it
             log.warning(
                 "tiercache: the one-launch block copy is unavailable (%s); copying layer by layer", error
             )
             self.fused = None
-
-    def _gather(self, index: torch.Tensor, stage: torch.Tensor) -> None:
-        if self.fused is not None:
-            self.fused.gather(index, stage)
-            return
-        for region in self.regions:
-            torch.index_select(region.blocks, 0, index, out=self._stage_view(stage, region, len(index)))
-
-    def _scatter(self, stage: torch.Tensor, index: torch.Tensor) -> None:
-        if self.fused is not None:
-            self.fused.scatter(stage, index)
-            return
-        for region in self.regions:
-            region.blocks.index_copy_(0, index, self._stage_view(stage, region, len(index)))
 
     @staticmethod
     def _stage_view(stage: torch.Tensor, region: LayerRegion, n: int) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""One kernel launch moves a batch of blocks, every layer at once, between the paged KV
-and a device staging buffer laid out like the CPU slots.
+"""One kernel launch moves blocks, every layer at once or one layer at a time, between
+the paged KV and slots laid out as the CPU tier lays them out: straight into the
+page-locked CPU tier (the GPU reads and writes host memory over PCIe, so no staging
+buffer and no separate transfer), or into a device staging buffer.
 
-The plain-torch way is one indexed gather (or scatter) per layer per batch. On an H100
-each such launch costs the host about 18 microseconds, and 32 of them for a 64 MiB
-batch took longer to issue than the batch took to cross PCIe: the transfer waited on
-Python (see docs/benchmarks-e2e.md, "GPU transfers"). Here the host issues one launch
-per batch and the GPU walks a table of layer addresses.
+The plain-torch way is one indexed gather (or scatter) per layer. On an H100 each
+such launch costs the host about 18 microseconds, and 32 of them for a 64 MiB batch
+took longer to issue than the batch took to cross PCIe: the transfer waited on Python
+(see docs/benchmarks-e2e.md, "GPU transfers"). Here the host issues one launch and
+the GPU walks a table of layer addresses.
 
 A layer qualifies when each block is `parts` equal contiguous pieces at a fixed
 distance from each other: one piece for block-first layouts, two (K and V) for
@@ -38,28 +40,29 @@ if triton is not None:
     def _copy_blocks(
         layer_ptrs,  # int64 address of block 0, piece 0, of each layer
         layer_offsets,  # int64 word offset of each layer inside a slot
-        index,  # int64 block id for each stage row
-        stage,  # int32 words, one slot per row
+        first_layer,
+        index,  # int64 block id of each item
+        rows,  # int64 slot (row of `slots`) of each item
+        slots,  # int32 words, one slot per row
         block_stride,  # words between consecutive blocks of a layer
         part_stride,  # words between the pieces of one block
         parts,
         part_words,
         slot_words,
-        TO_STAGE: tl.constexpr,
+        TO_SLOTS: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
+        item = tl.program_id(0)
         layer_part = tl.program_id(1)
         chunk = tl.program_id(2).to(tl.int64)
-        layer = layer_part // parts
+        layer = first_layer + layer_part // parts
         part = (layer_part % parts).to(tl.int64)
         kv = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int32))
-        block = tl.load(index + row)
-        kv = kv + block * block_stride + part * part_stride
-        slot = stage + row * slot_words + tl.load(layer_offsets + layer) + part * part_words
+        kv = kv + tl.load(index + item) * block_stride + part * part_stride
+        slot = slots + tl.load(rows + item) * slot_words + tl.load(layer_offsets + layer) + part * part_words
         words = chunk * CHUNK + tl.arange(0, CHUNK)
         inside = words < part_words
-        if TO_STAGE:
+        if TO_SLOTS:
             tl.store(slot + words, tl.load(kv + words, mask=inside), mask=inside)
         else:
             tl.store(kv + words, tl.load(slot + words, mask=inside), mask=inside)
@@ -126,27 +129,43 @@ class FusedBlockCopy:
         )
         return cls(shape, ptrs, offsets, slot_bytes)
 
-    def _launch(self, index: torch.Tensor, stage: torch.Tensor, to_stage: bool) -> None:
+    def _launch(
+        self,
+        index: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        to_slots: bool,
+        layers: range | None,
+    ) -> None:
         shape = self._shape
-        grid = (len(index), self._layers * shape.parts, math.ceil(shape.part_words / _CHUNK))
+        layers = layers or range(self._layers)
+        grid = (len(index), len(layers) * shape.parts, math.ceil(shape.part_words / _CHUNK))
         _copy_blocks[grid](
             self._layer_ptrs,
             self._layer_offsets,
+            layers.start,
             index,
-            stage.view(torch.int32),
+            rows,
+            slots.view(torch.int32),
             shape.block_stride,
             shape.part_stride,
             shape.parts,
             shape.part_words,
             self._slot_words,
-            TO_STAGE=to_stage,
+            TO_SLOTS=to_slots,
             CHUNK=_CHUNK,
         )
 
-    def gather(self, index: torch.Tensor, stage: torch.Tensor) -> None:
-        """stage[i] = every layer of block index[i], laid out as a slot."""
-        self._launch(index, stage, to_stage=True)
+    def gather(
+        self, index: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layers: range | None = None
+    ):
+        """slots[rows[i]] = block index[i], every layer (or `layers`), laid out as a slot.
+        `slots` is a (rows, slot_bytes) uint8 tensor the GPU can address: on the device,
+        or page-locked host memory."""
+        self._launch(index, rows, slots, True, layers)
 
-    def scatter(self, stage: torch.Tensor, index: torch.Tensor) -> None:
-        """Every layer of block index[i] = stage[i]."""
-        self._launch(index, stage, to_stage=False)
+    def scatter(
+        self, slots: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, layers: range | None = None
+    ):
+        """Block index[i] = slots[rows[i]], every layer (or `layers`)."""
+        self._launch(index, rows, slots, False, layers)

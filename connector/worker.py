@@ -22,6 +22,7 @@ from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
 from .layerwise import LayerwiseLoad
+from .layerwise_gpu import StreamLayerwiseLoad
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -112,7 +113,6 @@ class TierCacheWorker:
             log.error("tiercache: %s", self.disabled_reason)
             return
         self.copier = copier
-        copier.warm_up()
         if not copier.on_cuda and not copier.staged:
             # CUDA copies are already asynchronous on their own stream.
             self._layer_helper = ThreadPoolExecutor(
@@ -133,6 +133,7 @@ class TierCacheWorker:
                 "in the worker process (raise the container's shm size to move them out)",
                 num_slots * copier.slot_bytes,
             )
+        copier.warm_up(self.buffer)
         layout, dtype, shapes = copier.describe()
         shape = ObjectShape(self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes)
         self.engine = TierEngine(
@@ -194,7 +195,9 @@ class TierCacheWorker:
         self._load_layerwise([job.ops for job in jobs], staged_ok={}, started=started)
 
     def _layerwise_ready(self) -> bool:
-        return self._layer_order is not None and self._layer_helper is not None
+        if self._layer_order is None:
+            return False
+        return self._layer_helper is not None or self.copier.on_cuda and self.copier.one_launch(self.buffer)
 
     def _load_layerwise(
         self, jobs_ops: list[list[BlockOp]], staged_ok: dict[int, bool], started: float | None
@@ -207,14 +210,13 @@ class TierCacheWorker:
         if not good:
             self._release(ops, staged_ok)
             return
-        load = LayerwiseLoad(
-            self.copier,
-            self.buffer,
-            [op.slot for op in good],
-            [op.gpu_block for op in good],
-            self._layer_order,
-            self._layer_helper,
-        )
+        slots, blocks = [op.slot for op in good], [op.gpu_block for op in good]
+        if self._layer_helper is None:  # CUDA: the copy stream does it, see layerwise_gpu.py
+            load = StreamLayerwiseLoad(self.copier, self.buffer, slots, blocks, self._layer_order)
+        else:
+            load = LayerwiseLoad(
+                self.copier, self.buffer, slots, blocks, self._layer_order, self._layer_helper
+            )
         self._layerwise.append(_LayerwiseStep(load, ops, started, staged_ok))
 
     def wait_for_layer(self, layer_name: str) -> None:

@@ -1,0 +1,73 @@
+"""A hit loaded into the paged KV layer by layer while the forward runs, on CUDA.
+
+The CPU backend shares the copy between two threads (layerwise.py). On CUDA the host
+does not copy at all: it queues one kernel per layer on the copier's stream, in the
+order the forward reaches the layers, each reading that layer's share of the slots
+straight from the page-locked CPU tier (fused_copy.py), each followed by an event.
+Before a layer's attention the forward's stream waits for that layer's event, so the
+GPU computes layer i while layer i+1 crosses PCIe and the host never blocks. A hit's
+time to first token becomes the longer of the copy and the forward, not their sum.
+
+`finish` holds the host until the last layer is in: the worker calls it at the end of
+the forward, before the slots go back to the CPU tier for reuse.
+
+On CPU tensors (Triton's interpreter, in tests) the kernels run as they are queued
+and there is nothing to wait for: the same launches, checked the same way."""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.tiers.cpu import CpuBuffer
+
+from .copier import PagedKVCopier
+
+
+class StreamLayerwiseLoad:
+    def __init__(
+        self,
+        copier: PagedKVCopier,
+        buffer: CpuBuffer,
+        slots: list[int],
+        block_ids: list[int],
+        order: list[str],
+    ):
+        if not copier.one_launch(buffer):
+            raise ValueError(
+                "layer-by-layer loads on CUDA need the one-launch copy and a page-locked CPU tier"
+            )
+        self._device = copier.device
+        self._ready: dict[str, torch.cuda.Event] = {}
+        self._last: torch.cuda.Event | None = None
+        layers = [name for name in order if name in copier.layer_numbers]
+        if not copier.on_cuda:
+            index, rows = copier.tables(block_ids, slots)
+            for name in layers:
+                number = copier.layer_numbers[name]
+                copier.fused.scatter(buffer.tensor, rows, index, layers=range(number, number + 1))
+            return
+        compute = torch.cuda.current_stream(self._device)
+        with torch.cuda.stream(copier.stream):
+            index, rows = copier.tables(block_ids, slots)
+            # Blocks handed to this request may still be read by work queued before it.
+            copier.stream.wait_stream(compute)
+            for name in layers:
+                number = copier.layer_numbers[name]
+                copier.fused.scatter(buffer.tensor, rows, index, layers=range(number, number + 1))
+                ready = torch.cuda.Event()
+                ready.record(copier.stream)
+                self._ready[name] = ready
+            self._last = torch.cuda.Event()
+            self._last.record(copier.stream)
+
+    def wait(self, name: str) -> None:
+        """Order the forward's next kernels after layer `name` is in place (a layer
+        this load does not touch needs nothing). The host goes straight on."""
+        ready = self._ready.get(name)
+        if ready is not None:
+            torch.cuda.current_stream(self._device).wait_event(ready)
+
+    def finish(self) -> None:
+        """Return once every layer is in the paged KV."""
+        if self._last is not None:
+            self._last.synchronize()
