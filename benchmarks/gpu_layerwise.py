@@ -50,6 +50,12 @@ def main() -> None:
         "--layer-ms", type=float, default=0.25, help="compute per layer of the stand-in forward"
     )
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument(
+        "--programs",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[4, 8, 16, 32, 0],
+        help="grid sizes for the per-layer copy kernels (0: one program per chunk)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -107,8 +113,8 @@ def main() -> None:
         if kind == "copy, then":
             copier.from_slots(slots, targets, buffer)
             seen = forward()
-        elif kind == "layer by layer":
-            load = StreamLayerwiseLoad(copier, buffer, slots, targets, order)
+        elif kind.startswith("layer by layer"):
+            load = StreamLayerwiseLoad(copier, buffer, slots, targets, order, programs[kind] or None)
             seen = forward(load)
             load.finish()
         else:
@@ -116,7 +122,8 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - began) * 1e3, bool(torch.equal(seen, want))
 
-    kinds = ("forward only", "copy, then", "layer by layer")
+    programs = {f"layer by layer, {p or 'all'} programs": p for p in args.programs}
+    kinds = ("forward only", "copy, then", *programs)
     copier.from_slots(slots, targets, buffer)  # "forward only" finds the KV in place
     results = {}
     for kind in kinds:
@@ -131,6 +138,16 @@ def main() -> None:
             correct &= ok
         results[kind] = {"ms": statistics.median(times), "min_ms": min(times), "correct": correct}
     copy_ms = statistics.median([run_copy_only(copier, slots, targets, buffer) for _ in range(args.repeats)])
+    # The per-layer kernels alone, no forward: the PCIe rate each grid size reaches.
+    layers_alone = {}
+    for kind, count in programs.items():
+        times = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            StreamLayerwiseLoad(copier, buffer, slots, targets, order, count or None).finish()
+            times.append((time.perf_counter() - began) * 1e3)
+        layers_alone[kind] = statistics.median(times)
     floor = results["forward only"]["ms"]
     out = {
         "device": torch.cuda.get_device_name(device),
@@ -138,15 +155,21 @@ def main() -> None:
         "hit_bytes": args.blocks * copier.slot_bytes,
         "products_per_layer": products,
         "copy_only_ms": copy_ms,
+        "layer_copies_alone_ms": layers_alone,
         "results": results,
         "ratios_to_forward_only": {k: v["ms"] / floor for k, v in results.items()},
     }
     print(json.dumps(out, indent=1))
     print(
-        f"{out['device']}: {out['hit_bytes'] >> 20} MiB hit, {args.layers} layers, copy alone {copy_ms:.2f} ms"
+        f"{out['device']}: {out['hit_bytes'] >> 20} MiB hit, {args.layers} layers, "
+        f"whole copy alone {copy_ms:.2f} ms"
     )
     for kind, r in results.items():
-        print(f"{kind:15} {r['ms']:7.2f} ms  {r['ms'] / floor:5.2f}x forward only  correct={r['correct']}")
+        alone = f"  (copies alone {layers_alone[kind]:.2f} ms)" if kind in layers_alone else ""
+        print(
+            f"{kind:32} {r['ms']:7.2f} ms  {r['ms'] / floor:5.2f}x forward only  "
+            f"correct={r['correct']}{alone}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

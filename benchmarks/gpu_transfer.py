@@ -137,15 +137,15 @@ def bench_layout(args, layout: str, device: torch.device, dtype: torch.dtype) ->
     copiers = {
         "fused": PagedKVCopier(caches, args.num_blocks, staged=True, fused=True),
         "per_layer": PagedKVCopier(caches, args.num_blocks, staged=True, fused=False),
-        "per_run": PagedKVCopier(caches, args.num_blocks, staged=False),
+        "per_run": PagedKVCopier(caches, args.num_blocks, staged=False, fused=False),
     }
+    slot_bytes = copiers["per_run"].slot_bytes
+    buffer = CpuBuffer(args.blocks, slot_bytes, pin_memory=pinned)
     began = time.perf_counter()
-    copiers["fused"].warm_up()  # compiles the kernels: once per engine start
+    copiers["fused"].warm_up(buffer)  # builds and checks the kernels: once per engine start
     warm_up_s = time.perf_counter() - began
     if copiers["fused"].fused is None:
         del copiers["fused"]  # no Triton here, or a layout it cannot address
-    slot_bytes = copiers["per_run"].slot_bytes
-    buffer = CpuBuffer(args.blocks, slot_bytes, pin_memory=pinned)
     nbytes = args.blocks * slot_bytes
     gen = torch.Generator().manual_seed(0)
 

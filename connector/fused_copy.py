@@ -49,23 +49,31 @@ if triton is not None:
         parts,
         part_words,
         slot_words,
+        pieces_per_item,  # layers copied x parts
+        chunks_per_piece,
+        work,  # items x pieces_per_item x chunks_per_piece
         TO_SLOTS: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        item = tl.program_id(0)
-        layer_part = tl.program_id(1)
-        chunk = tl.program_id(2).to(tl.int64)
-        layer = first_layer + layer_part // parts
-        part = (layer_part % parts).to(tl.int64)
-        kv = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int32))
-        kv = kv + tl.load(index + item) * block_stride + part * part_stride
-        slot = slots + tl.load(rows + item) * slot_words + tl.load(layer_offsets + layer) + part * part_words
-        words = chunk * CHUNK + tl.arange(0, CHUNK)
-        inside = words < part_words
-        if TO_SLOTS:
-            tl.store(slot + words, tl.load(kv + words, mask=inside), mask=inside)
-        else:
-            tl.store(kv + words, tl.load(slot + words, mask=inside), mask=inside)
+        # Each program takes every num_programs-th chunk of the work, so a small grid
+        # can do a large copy while leaving the other SMs to the forward.
+        for unit in range(tl.program_id(0), work, tl.num_programs(0)):
+            item = unit // (pieces_per_item * chunks_per_piece)
+            piece = (unit // chunks_per_piece) % pieces_per_item
+            chunk = (unit % chunks_per_piece).to(tl.int64)
+            layer = first_layer + piece // parts
+            part = (piece % parts).to(tl.int64)
+            kv = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int32))
+            kv = kv + tl.load(index + item) * block_stride + part * part_stride
+            slot = (
+                slots + tl.load(rows + item) * slot_words + tl.load(layer_offsets + layer) + part * part_words
+            )
+            words = chunk * CHUNK + tl.arange(0, CHUNK)
+            inside = words < part_words
+            if TO_SLOTS:
+                tl.store(slot + words, tl.load(kv + words, mask=inside), mask=inside)
+            else:
+                tl.store(kv + words, tl.load(slot + words, mask=inside), mask=inside)
 
 
 @dataclass(frozen=True)
@@ -136,11 +144,14 @@ class FusedBlockCopy:
         slots: torch.Tensor,
         to_slots: bool,
         layers: range | None,
+        programs: int | None,
     ) -> None:
         shape = self._shape
         layers = layers or range(self._layers)
-        grid = (len(index), len(layers) * shape.parts, math.ceil(shape.part_words / _CHUNK))
-        _copy_blocks[grid](
+        pieces = len(layers) * shape.parts
+        chunks = math.ceil(shape.part_words / _CHUNK)
+        work = len(index) * pieces * chunks
+        _copy_blocks[(min(work, programs or work),)](
             self._layer_ptrs,
             self._layer_offsets,
             layers.start,
@@ -152,20 +163,19 @@ class FusedBlockCopy:
             shape.parts,
             shape.part_words,
             self._slot_words,
+            pieces,
+            chunks,
+            work,
             TO_SLOTS=to_slots,
             CHUNK=_CHUNK,
         )
 
-    def gather(
-        self, index: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layers: range | None = None
-    ):
+    def gather(self, index, rows, slots, layers: range | None = None, programs: int | None = None) -> None:
         """slots[rows[i]] = block index[i], every layer (or `layers`), laid out as a slot.
         `slots` is a (rows, slot_bytes) uint8 tensor the GPU can address: on the device,
-        or page-locked host memory."""
-        self._launch(index, rows, slots, True, layers)
+        or page-locked host memory. `programs` caps the grid (default: one per chunk)."""
+        self._launch(index, rows, slots, True, layers, programs)
 
-    def scatter(
-        self, slots: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, layers: range | None = None
-    ):
+    def scatter(self, slots, rows, index, layers: range | None = None, programs: int | None = None) -> None:
         """Block index[i] = slots[rows[i]], every layer (or `layers`)."""
-        self._launch(index, rows, slots, False, layers)
+        self._launch(index, rows, slots, False, layers, programs)

@@ -135,7 +135,8 @@ def test_a_layer_by_layer_load_puts_each_layer_it_is_asked_for_in_place(interpre
     original = {name: t.clone() for name, t in kv.items()}
     # The forward's order, with a layer this rank does not hold and one left out.
     order = ["model.layers.3.attn", "model.layers.0.attn", "elsewhere", "model.layers.2.attn"]
-    load = StreamLayerwiseLoad(copier, buffer, slots, targets, order)
+    # Three programs for dozens of chunks: each walks its share of the work.
+    load = StreamLayerwiseLoad(copier, buffer, slots, targets, order, programs=3)
     for name in order:
         load.wait(name)
     load.finish()
