@@ -14,11 +14,12 @@ Layouts (one tensor per layer, as vLLM's attention backends allocate them):
 Block sets: `scattered` (random block ids, as vLLM's allocator hands them out after a
 while) and `contiguous` (one run).
 
-Three copier paths, each timed: `fused` (the CUDA default: one Triton kernel per batch
-moves every layer's blocks to or from a bounded device staging buffer, then one host
-transfer per run of slots; skipped where Triton is missing), `per_layer` (the same
-staging with one indexed gather or scatter per layer) and `per_run` (one copy per layer
-per run of consecutive blocks, straight to the host: the CPU backend's path). Every
+Three copier paths, each timed: `fused` (the CUDA default: one Triton kernel moves
+every layer's blocks straight between the paged KV and the page-locked CPU tier;
+skipped where Triton is missing), `per_layer` (the fallback: one indexed gather or
+scatter per layer into a bounded device staging buffer, then one host transfer per run
+of slots) and `per_run` (one copy per layer per run of consecutive blocks, straight to
+the host: the CPU backend's path). Every
 copy is checked: slots are poisoned first and each block of each layer is compared
 with the paged KV.
 """
@@ -190,23 +191,6 @@ def bench_layout(args, layout: str, device: torch.device, dtype: torch.dtype) ->
                 "scatter_vs_raw": nbytes / scatter / raw["h2d"],
             }
         out["cases"][kind] = case
-    if layout == "flash" and device.type == "cuda":
-        # How large a staging buffer the batched path needs to keep transfers at speed.
-        ids = torch.randperm(args.num_blocks, generator=gen)[: args.blocks].tolist()
-        sweep = {}
-        for mib in args.staging_sweep:
-            copier = PagedKVCopier(caches, args.num_blocks, staged=True, staging_bytes=mib << 20)
-            if copier.fused is None:
-                break
-            gather = timeit(lambda c=copier: c.to_slots(ids, scattered_slots, buffer), device, args.repeats)
-            scatter = timeit(
-                lambda c=copier: c.from_slots(scattered_slots, ids, buffer), device, args.repeats
-            )
-            sweep[str(mib)] = {
-                "gather_vs_raw": nbytes / gather / raw["d2h"],
-                "scatter_vs_raw": nbytes / scatter / raw["h2d"],
-            }
-        out["staging_mib_sweep_scattered"] = sweep
     return out
 
 
@@ -230,11 +214,6 @@ def table(result: dict) -> str:
         lines.append(f"{layout:13} raw d2h {raw['d2h']:.1f} GB/s, h2d {raw['h2d']:.1f} GB/s")
         if data["fused_warm_up_s"] is not None:
             lines.append(f"{layout:13} fused kernels built in {data['fused_warm_up_s']:.2f} s (start-up)")
-        for mib, s in data.get("staging_mib_sweep_scattered", {}).items():
-            lines.append(
-                f"{layout:13} staging {mib:>4} MiB: gather {s['gather_vs_raw']:.2f}, "
-                f"scatter {s['scatter_vs_raw']:.2f} of raw"
-            )
     return "\n".join(lines)
 
 
@@ -256,12 +235,6 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=128, help="blocks per transfer (2048 tokens at 16)")
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument(
-        "--staging-sweep",
-        type=lambda text: [int(x) for x in text.split(",")],
-        default=[2, 8, 32, 64, 256],
-        help="staging buffer sizes in MiB to time on CUDA (comma-separated)",
-    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -276,7 +249,6 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
         "args": vars(args),
-        "staging_bytes_default": copier_module.STAGING_BYTES,
         "pinned_host_buffer": device.type == "cuda",
         "layouts": {layout: bench_layout(args, layout, device, dtype) for layout in LAYOUTS},
     }
