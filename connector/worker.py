@@ -197,7 +197,8 @@ class TierCacheWorker:
     def _layerwise_ready(self) -> bool:
         if self._layer_order is None:
             return False
-        return self._layer_helper is not None or self.copier.on_cuda and self.copier.one_launch(self.buffer)
+        # Threads copy on the CPU backend; on CUDA the copy stream does (layerwise_gpu.py).
+        return self._layer_helper is not None or self.copier.one_launch(self.buffer)
 
     def _load_layerwise(
         self, jobs_ops: list[list[BlockOp]], staged_ok: dict[int, bool], started: float | None
@@ -211,7 +212,7 @@ class TierCacheWorker:
             self._release(ops, staged_ok)
             return
         slots, blocks = [op.slot for op in good], [op.gpu_block for op in good]
-        if self._layer_helper is None:  # CUDA: the copy stream does it, see layerwise_gpu.py
+        if self._layer_helper is None:
             load = StreamLayerwiseLoad(self.copier, self.buffer, slots, blocks, self._layer_order)
         else:
             load = LayerwiseLoad(

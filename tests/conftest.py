@@ -1,8 +1,10 @@
-"""Shared fixtures: real servers on loopback. Where a Docker engine is present,
-testcontainers runs Redis and MinIO instead of the local processes."""
+"""Shared fixtures: real servers on loopback (where a Docker engine is present,
+testcontainers runs Redis and MinIO instead of the local processes), and the CUDA
+path's copy kernel on Triton's CPU interpreter."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -77,3 +79,16 @@ def bucket(s3_endpoint):
     name = f"tc-{uuid.uuid4().hex[:12]}"
     create_bucket(s3_endpoint, name)
     return name
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The CUDA path's copy kernel (connector/fused_copy.py) built for Triton's CPU
+    interpreter, so it runs on CPU tensors; rebuilt as it was afterwards."""
+    from tiercache.connector import fused_copy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(fused_copy)
+    yield
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(fused_copy)

@@ -5,12 +5,9 @@ byte for byte against the per-layer copies on each KV layout vLLM uses."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
-from tiercache.connector import fused_copy
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.layerwise_gpu import StreamLayerwiseLoad
 from tiercache.tiers.cpu import CpuBuffer
@@ -22,17 +19,6 @@ LAYOUTS = {
     "mla [blocks, block_size, latent]": (lambda: torch.randn(NUM_BLOCKS, 32, 24), 1),
     "bf16 flash-attn": (lambda: torch.randn(2, NUM_BLOCKS, 32, 2, 8).to(torch.bfloat16), 2),
 }
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    """fused_copy with its kernel built for Triton's CPU interpreter; rebuilt as it
-    was afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(fused_copy)
-    yield
-    monkeypatch.delenv("TRITON_INTERPRET")
-    importlib.reload(fused_copy)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

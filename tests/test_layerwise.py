@@ -3,6 +3,7 @@ where tiercache's background threads run (tiercache/threads.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tiercache.config import build_config
 from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.layerwise import LayerwiseLoad
+from tiercache.connector.layerwise_gpu import StreamLayerwiseLoad
 from tiercache.connector.metadata import RELEASED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.keys import KVSpec
@@ -80,6 +82,18 @@ def test_a_failed_layer_copy_is_raised_in_the_forward():
             load.finish()
 
 
+@pytest.fixture(params=["threads (CPU backend)", "per-layer kernels (CUDA path's twin)"])
+def copy_path(request, monkeypatch):
+    """Each worker test runs both ways a hit is loaded layer by layer: the CPU backend's
+    copy threads, and the CUDA path's per-layer kernel launches (layerwise_gpu.py),
+    here on CPU tensors through Triton's interpreter."""
+    if request.param.startswith("per-layer"):
+        request.getfixturevalue("interpreted")
+        kernels = functools.partial(PagedKVCopier, staged=True, fused=True)
+        monkeypatch.setattr(worker_module, "PagedKVCopier", kernels)
+    return request.param
+
+
 def make_worker(kv) -> TierCacheWorker:
     slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
     config = build_config({"cpu": {"capacity": 8 * slot_bytes}})
@@ -111,7 +125,7 @@ def forward(worker, meta, layers, check=None) -> None:
     worker.wait_for_save(meta)
 
 
-def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for():
+def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for(copy_path):
     kv = paged_kv()
     worker = make_worker(kv)
     worker.copier.to_slots([0, 1], [3, 4], worker.buffer)
@@ -250,7 +264,7 @@ def test_an_idle_step_waits_for_a_staged_load_instead_of_returning_empty(monkeyp
         worker.shutdown()
 
 
-def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch):
+def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch, copy_path):
     monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_SECONDS", 30.0)  # bounds only
     kv = paged_kv()
     worker = make_worker(kv)
@@ -263,6 +277,8 @@ def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch
         worker.wait_for_save(meta)
         assert worker.get_finished() == {"r"}
         assert (RELEASED, 3) not in worker.take_worker_meta().events  # still being copied
+        expected = LayerwiseLoad if copy_path.startswith("threads") else StreamLayerwiseLoad
+        assert [type(step.load) for step in worker._layerwise] == [expected]
 
         def in_place(name):
             assert torch.equal(kv[name][[10, 11]], want[name]), name
