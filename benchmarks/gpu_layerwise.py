@@ -1,5 +1,6 @@
-"""A CPU-tier hit loaded into the paged KV while a forward runs, on CUDA: the time from
-the start of the load to the end of the forward, three ways, measured in the same run:
+"""A CPU-tier hit loaded into the paged KV while a forward runs, on CUDA, and a prompt
+stored out of it while the forward writes it. Loads: the time from the start of the
+load to the end of the forward, three ways, measured in the same run:
 
   forward only    the forward with its KV already in place (the floor)
   copy, then      the whole hit copied (PagedKVCopier.from_slots), then the forward
@@ -11,6 +12,11 @@ layer, then reads every loaded block of that layer (a checksum) and runs matrix
 products sized by --layer-ms. Each run poisons the loaded blocks first, and the
 checksums the forward saw are compared with those of the right data: a layer read
 before it arrived shows up as a wrong checksum, not as a fast time.
+
+Stores: the forward writes the same blocks layer by layer (as attention writes its KV)
+and they go to the CPU tier, copied whole after the forward or layer by layer as it
+goes (StreamLayerwiseSave), against the forward alone; every slot is poisoned first
+and checked after.
 
 Needs torch, Triton and a CUDA GPU (no vLLM, no install of tiercache):
 
@@ -33,7 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_transfer import CpuBuffer, PagedKVCopier  # noqa: E402  (maps tiercache from the checkout)
 
-StreamLayerwiseLoad = importlib.import_module("tiercache.connector.layerwise_gpu").StreamLayerwiseLoad
+layerwise_gpu = importlib.import_module("tiercache.connector.layerwise_gpu")
+StreamLayerwiseLoad = layerwise_gpu.StreamLayerwiseLoad
+StreamLayerwiseSave = layerwise_gpu.StreamLayerwiseSave
+slots_hold = sys.modules["gpu_transfer"].slots_hold
 
 
 def main() -> None:
@@ -158,6 +167,7 @@ def main() -> None:
         "layer_copies_alone_ms": layers_alone,
         "results": results,
         "ratios_to_forward_only": {k: v["ms"] / floor for k, v in results.items()},
+        "stores": bench_stores(args, copier, caches, order, buffer, targets, slots, products, a),
     }
     print(json.dumps(out, indent=1))
     print(
@@ -170,8 +180,59 @@ def main() -> None:
             f"{kind:32} {r['ms']:7.2f} ms  {r['ms'] / floor:5.2f}x forward only  "
             f"correct={r['correct']}{alone}"
         )
+    stores = out["stores"]
+    store_floor = stores["forward only"]["ms"]
+    print("stores: the same blocks written by the forward, then copied to the CPU tier")
+    for kind, r in stores.items():
+        print(
+            f"{kind:32} {r['ms']:7.2f} ms  {r['ms'] / store_floor:5.2f}x forward only  correct={r['correct']}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def bench_stores(args, copier, caches, order, buffer, targets, slots, products, a) -> dict:
+    """A prompt's blocks written by the forward layer by layer (as attention writes its
+    KV), then stored: copied whole after the forward, or layer by layer as it goes.
+    Slots are poisoned before each run and compared with the blocks afterwards."""
+    device = copier.device
+    index = torch.tensor(targets, device=device)
+    datasets = [{n: torch.randn_like(caches[n].index_select(1, index)) for n in order} for _ in range(2)]
+
+    def forward(data, saving=None):
+        for name in order:
+            caches[name].index_copy_(1, index, data[name])  # the attention writes its KV
+            if saving is not None:
+                saving.save(name)
+            for _ in range(products):
+                a @ a
+
+    def run(kind: str, data) -> tuple[float, bool]:
+        buffer.tensor.fill_(0xA5)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        if kind == "layer by layer":
+            saving = StreamLayerwiseSave(copier, buffer, targets, slots)
+            forward(data, saving)
+            saving.finish()
+        else:
+            forward(data)
+            if kind == "forward, then whole copy":
+                copier.to_slots(targets, slots, buffer)
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - began) * 1e3
+        return elapsed, kind == "forward only" or slots_hold(copier, buffer, targets, slots)
+
+    results = {}
+    for kind in ("forward only", "forward, then whole copy", "layer by layer"):
+        run(kind, datasets[0])  # warm-up
+        times, correct = [], True
+        for repeat in range(args.repeats):
+            ms, ok = run(kind, datasets[repeat % 2])
+            times.append(ms)
+            correct &= ok
+        results[kind] = {"ms": statistics.median(times), "min_ms": min(times), "correct": correct}
+    return results
 
 
 def run_copy_only(copier, slots, targets, buffer) -> float:

@@ -112,7 +112,9 @@ class TierCacheConnector(KVConnectorBase_V1):
             self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return  # stores are copied once per step, in wait_for_save
+        meta = self._meta()
+        if self.worker is not None and meta is not None:
+            self.worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._meta()

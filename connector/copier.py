@@ -136,10 +136,12 @@ class PagedKVCopier:
         return self.fused is not None and (buffer.pinned or not self.on_cuda)
 
     def tables(self, block_ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids, slot numbers) on the device, in one upload. On CUDA, call it
-        before the copy stream waits for the forward: an upload from pageable memory
-        holds the host until its stream is idle."""
-        both = torch.tensor([block_ids, slots], dtype=torch.long, device=self.device)
+        """(block ids, slot numbers) on the device, in one upload. On CUDA it goes
+        through page-locked memory: an upload from pageable memory would hold the host
+        until the current stream is idle, and these are made while a forward runs."""
+        both = torch.tensor([block_ids, slots], dtype=torch.long)
+        if self.on_cuda:
+            both = both.pin_memory().to(self.device, non_blocking=True)
         return both[0], both[1]
 
     def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:

@@ -1,4 +1,5 @@
-"""A hit loaded into the paged KV layer by layer while the forward runs, on CUDA.
+"""Hits loaded into the paged KV, and stores copied out of it, layer by layer while the
+forward runs, on CUDA.
 
 The CPU backend shares the copy between two threads (layerwise.py). On CUDA the host
 does not copy at all: it queues one kernel per layer on the copier's stream, in the
@@ -10,6 +11,13 @@ time to first token becomes the longer of the copy and the forward, not their su
 
 `finish` holds the host until the last layer is in: the worker calls it at the end of
 the forward, before the slots go back to the CPU tier for reuse.
+
+Stores go the other way. vLLM calls `save_kv_layer` right after each attention layer
+has written its KV; the copy stream waits for that point of the forward's stream and
+copies the layer's new blocks out while the forward computes the next layers. At
+`wait_for_save` only the last layer's copy is left to wait for (and any layer whose
+hook did not come, copied then), so storing a prompt no longer adds its whole copy to
+the step.
 
 On CPU tensors (Triton's interpreter, in tests) the kernels run as they are queued
 and there is nothing to wait for: the same launches, checked the same way."""
@@ -78,3 +86,61 @@ class StreamLayerwiseLoad:
         """Return once every layer is in the paged KV."""
         if self._last is not None:
             self._last.synchronize()
+
+
+class StreamLayerwiseSave:
+    def __init__(
+        self,
+        copier: PagedKVCopier,
+        buffer: CpuBuffer,
+        block_ids: list[int],
+        slots: list[int],
+        programs: int = LAYER_COPY_PROGRAMS,
+    ):
+        if not copier.one_launch(buffer):
+            raise ValueError(
+                "layer-by-layer stores on CUDA need the one-launch copy and a page-locked CPU tier"
+            )
+        self._copier = copier
+        self._buffer = buffer
+        self._programs = programs
+        self._left = dict(copier.layer_numbers)  # name -> layer number, not copied yet
+        if copier.on_cuda:
+            with torch.cuda.stream(copier.stream):
+                self._index, self._rows = copier.tables(block_ids, slots)
+        else:
+            self._index, self._rows = copier.tables(block_ids, slots)
+
+    def _gather(self, layers: range, programs: int | None) -> None:
+        self._copier.fused.gather(self._index, self._rows, self._buffer.tensor, layers, programs)
+
+    def save(self, name: str) -> None:
+        """Layer `name` has been written by the forward: start copying it out."""
+        number = self._left.pop(name, None)
+        if number is None:
+            return
+        if not self._copier.on_cuda:
+            self._gather(range(number, number + 1), self._programs)
+            return
+        stream = self._copier.stream
+        stream.wait_stream(torch.cuda.current_stream(self._copier.device))
+        with torch.cuda.stream(stream):
+            self._gather(range(number, number + 1), self._programs)
+
+    def finish(self) -> None:
+        """Copy the layers whose hook never came, then return once every layer is in
+        its slot."""
+        left = sorted(self._left.values())
+        self._left = {}
+        if not self._copier.on_cuda:
+            for number in left:
+                self._gather(range(number, number + 1), None)
+            return
+        stream = self._copier.stream
+        stream.wait_stream(torch.cuda.current_stream(self._copier.device))
+        with torch.cuda.stream(stream):
+            for number in left:  # after the forward: every SM is free, so the full grid
+                self._gather(range(number, number + 1), None)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()

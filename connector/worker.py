@@ -22,7 +22,7 @@ from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
 from .layerwise import LayerwiseLoad
-from .layerwise_gpu import StreamLayerwiseLoad
+from .layerwise_gpu import StreamLayerwiseLoad, StreamLayerwiseSave
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -99,6 +99,8 @@ class TierCacheWorker:
         # staged hits reported finished at the end of the step before.
         self._layerwise: list[_LayerwiseStep] = []
         self._layer_helper: ThreadPoolExecutor | None = None
+        # This step's stores being copied out layer by layer (CUDA), if any.
+        self._saving: StreamLayerwiseSave | None = None
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
@@ -198,7 +200,7 @@ class TierCacheWorker:
         if self._layer_order is None:
             return False
         # Threads copy on the CPU backend; on CUDA the copy stream does (layerwise_gpu.py).
-        return self._layer_helper is not None or self.copier.one_launch(self.buffer)
+        return self._layer_helper is not None or self._stream_copies()
 
     def _load_layerwise(
         self, jobs_ops: list[list[BlockOp]], staged_ok: dict[int, bool], started: float | None
@@ -313,13 +315,33 @@ class TierCacheWorker:
             self._emit(RELEASED, op.slot)
 
     # -- stores ---------------------------------------------------------------------
+    def save_layer(self, layer_name: str, meta: TierCacheMetadata) -> None:
+        """vLLM calls this after each attention layer. On CUDA that layer's share of the
+        step's stores starts for the CPU tier now, beside the rest of the forward
+        (layerwise_gpu.py); elsewhere stores are copied whole in `wait_for_save`."""
+        if self.engine is None or not meta.stores or not self._stream_copies():
+            return
+        if self._saving is None:
+            ops = meta.stores
+            self._saving = StreamLayerwiseSave(
+                self.copier, self.buffer, [op.gpu_block for op in ops], [op.slot for op in ops]
+            )
+        self._saving.save(layer_name)
+
+    def _stream_copies(self) -> bool:
+        return self._layer_helper is None and self.copier is not None and self.copier.one_launch(self.buffer)
+
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
         """The step's forward is over: finish its loads, then copy out its stores."""
         self._end_of_forward()
+        saving, self._saving = self._saving, None
         if self.engine is None or not meta.stores:
             return
         ops = meta.stores
-        self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
+        if saving is not None:
+            saving.finish()
+        else:
+            self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
         self._stats.add("stored_blocks", len(ops))
         for op in ops:
             self._emit(FILLED, op.block_hash)

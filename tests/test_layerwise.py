@@ -20,7 +20,7 @@ from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.layerwise import LayerwiseLoad
 from tiercache.connector.layerwise_gpu import StreamLayerwiseLoad
-from tiercache.connector.metadata import RELEASED, BlockOp, LoadJob, TierCacheMetadata
+from tiercache.connector.metadata import FILLED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
@@ -115,13 +115,17 @@ def empty_step() -> TierCacheMetadata:
     return TierCacheMetadata(write_backs=[], loads=[], stores=[])
 
 
-def forward(worker, meta, layers, check=None) -> None:
-    """What vLLM does in one step: start loads, each attention layer, then save."""
+def forward(worker, meta, layers, check=None, attention=None) -> None:
+    """What vLLM does in one step: start loads; per attention layer, wait for its load,
+    compute (which writes the layer's new KV), hand it to the connector; then save."""
     worker.start_load_kv(meta)
     for name in layers:
         worker.wait_for_layer(name)
         if check:
             check(name)
+        if attention:
+            attention(name)
+        worker.save_layer(name, meta)
     worker.wait_for_save(meta)
 
 
@@ -286,5 +290,38 @@ def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch
         forward(worker, empty_step(), LAYERS, check=in_place)
         events = worker.take_worker_meta().events
         assert events[(RELEASED, 3)] == 1 and events[(RELEASED, 4)] == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_prompt_is_stored_with_what_each_layer_wrote_in_this_step(copy_path):
+    """Stores leave each layer's blocks as the forward wrote them in the same step: on
+    the CUDA path they are copied out layer by layer as the forward goes (a layer whose
+    hook never came is copied at the end); on the CPU backend, whole, after it."""
+    kv = paged_kv()
+    worker = make_worker(kv)
+    try:
+        forward(worker, empty_step(), LAYERS)
+        stores = [BlockOp(b"s" * 32, 5, 6, "cpu"), BlockOp(b"t" * 32, 9, 2, "cpu")]
+        meta = TierCacheMetadata(write_backs=[], loads=[], stores=stores)
+        written = {}
+        worker.start_load_kv(meta)
+        for name in LAYERS:
+            worker.wait_for_layer(name)
+            kv[name][[5, 9]] = torch.randn(2, *kv[name].shape[1:])  # the attention's new KV
+            written[name] = kv[name][[5, 9]].clone()
+            if name != LAYERS[-1]:  # the last layer's hook never comes
+                worker.save_layer(name, meta)
+        streamed = worker._saving is not None
+        worker.wait_for_save(meta)
+        assert streamed == copy_path.startswith("per-layer")
+        assert worker._saving is None
+        for name in kv:  # whatever the paged KV holds later, the slots keep this step's
+            kv[name].zero_()
+        worker.copier.from_slots([6, 2], [5, 9], worker.buffer)
+        for name in LAYERS:
+            assert torch.equal(kv[name][[5, 9]], written[name]), name
+        events = worker.take_worker_meta().events
+        assert events[(FILLED, b"s" * 32)] == 1 and events[(FILLED, b"t" * 32)] == 1
     finally:
         worker.shutdown()
