@@ -211,8 +211,8 @@ def bench_stores(args, copier, caches, order, buffer, targets, slots, products, 
         buffer.tensor.fill_(0xA5)
         torch.cuda.synchronize()
         began = time.perf_counter()
-        if kind == "layer by layer":
-            saving = StreamLayerwiseSave(copier, buffer, targets, slots)
+        if kind.startswith("layer by layer"):
+            saving = StreamLayerwiseSave(copier, buffer, targets, slots, programs[kind] or None)
             forward(data, saving)
             saving.finish()
         else:
@@ -223,8 +223,9 @@ def bench_stores(args, copier, caches, order, buffer, targets, slots, products, 
         elapsed = (time.perf_counter() - began) * 1e3
         return elapsed, kind == "forward only" or slots_hold(copier, buffer, targets, slots)
 
+    programs = {f"layer by layer, {p or 'all'} programs": p for p in args.programs}
     results = {}
-    for kind in ("forward only", "forward, then whole copy", "layer by layer"):
+    for kind in ("forward only", "forward, then whole copy", *programs):
         run(kind, datasets[0])  # warm-up
         times, correct = [], True
         for repeat in range(args.repeats):
