@@ -139,10 +139,15 @@ class PagedKVCopier:
         """(block ids, slot numbers) on the device, in one upload. On CUDA it goes
         through page-locked memory: an upload from pageable memory would hold the host
         until the current stream is idle, and these are made while a forward runs."""
-        both = torch.tensor([block_ids, slots], dtype=torch.long)
+        # Rows of even length keep the second one 16-byte aligned like the first:
+        # Triton compiles a kernel per pointer alignment.
+        width = len(block_ids) + len(block_ids) % 2
+        both = torch.zeros((2, width), dtype=torch.long)
+        both[0, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.long)
+        both[1, : len(slots)] = torch.tensor(slots, dtype=torch.long)
         if self.on_cuda:
             both = both.pin_memory().to(self.device, non_blocking=True)
-        return both[0], both[1]
+        return both[0, : len(block_ids)], both[1, : len(slots)]
 
     def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:
         if not block_ids:

@@ -35,8 +35,11 @@ _CHUNK = 2048  # words per program
 
 
 if triton is not None:
-
-    @triton.jit
+    # Triton compiles a variant per value class of an integer argument (1, multiples
+    # of 16, others); these change from call to call, and a compile in the middle of a
+    # request costs about a second, so they are left general. The rest are fixed for
+    # the life of an engine and compiled once, at warm-up.
+    @triton.jit(do_not_specialize=["first_layer", "pieces_per_item", "work"])
     def _copy_blocks(
         layer_ptrs,  # int64 address of block 0, piece 0, of each layer
         layer_offsets,  # int64 word offset of each layer inside a slot
