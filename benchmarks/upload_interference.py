@@ -14,6 +14,10 @@ endpoint does not run on the host. Both, and redis-server, run on the last CPU.
 With `--pace S`, a round starts at most every S seconds, spreading the same writes
 over more time; each row also gives the loop's time lost to them, in seconds.
 
+With `--pieces MIB_PER_S`, the upload process and, in turn, neighbours that each do one
+piece of its work on 2 MiB bodies at that rate: a copy, a SHA-256, a plain HTTP PUT to
+the sink. Which piece costs the loop what the uploads do says where the cost is.
+
 With `--neighbours`, no uploads: the loop's rate while another process on the last
 CPU either spins (CPU only) or copies 64 MiB buffers (memory traffic), over its rate
 just before. On a small VM the second shows how much the loop is bound by the memory
@@ -74,6 +78,20 @@ def endpoint(kind: str, cpus: set[int]):
         yield url
 
 
+# Each neighbour moves 2 MiB a turn and prints its running byte count; with a rate it
+# sleeps to hold that many MiB/s, so that its cost per byte can be set beside the
+# upload process's at the same rate.
+_PACED_LOOP = """
+import sys, time
+rate = float(sys.argv[1]) * 2**20
+moved, start = 0, time.perf_counter()
+while True:
+    turn()
+    moved += 2 << 20
+    print(time.perf_counter(), moved, flush=True)
+    if rate:
+        time.sleep(max(0.0, start + moved / rate - time.perf_counter()))
+"""
 NEIGHBOURS = {
     "spin": "while True: pass",
     "memcpy": (
@@ -81,25 +99,54 @@ NEIGHBOURS = {
         "a = torch.empty(64 << 20, dtype=torch.uint8)\nb = torch.empty_like(a)\n"
         "while True: a.copy_(b)"
     ),
+    # The pieces of an upload, apart: a copy of 2 MiB, a SHA-256 of 2 MiB, and a
+    # plain HTTP PUT of 2 MiB to the same sink (no botocore, no hashing).
+    "copy-2mib": (
+        "import torch\ntorch.set_num_threads(1)\n"
+        "a = torch.empty(2 << 20, dtype=torch.uint8)\nb = torch.empty_like(a)\n"
+        "def turn(): a.copy_(b)\n" + _PACED_LOOP
+    ),
+    "sha256": (
+        "import hashlib, os\nbody = os.urandom(2 << 20)\n"
+        "def turn(): hashlib.sha256(body).digest()\n" + _PACED_LOOP
+    ),
+    "put": (
+        "import http.client, os, sys, urllib.parse\nbody = os.urandom(2 << 20)\n"
+        "url = urllib.parse.urlsplit(sys.argv[2])\n"
+        "connection = http.client.HTTPConnection(url.hostname, url.port)\n"
+        "def turn():\n"
+        "    connection.request('PUT', '/interference/k', body, {'Content-Length': str(len(body))})\n"
+        "    connection.getresponse().read()\n" + _PACED_LOOP
+    ),
 }
 
 
-def measure_neighbour(step, kind: str, cpus: set[int]) -> dict:
+def measure_neighbour(step, kind: str, cpus: set[int], mib_per_s: float = 0.0, url: str = "") -> dict:
     before = rate(step, 3.0)
     process = subprocess.Popen(
-        [sys.executable, "-c", NEIGHBOURS[kind]], preexec_fn=lambda: os.sched_setaffinity(0, cpus)
+        [sys.executable, "-c", NEIGHBOURS[kind], str(mib_per_s), url],
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         time.sleep(2.5)  # its imports and buffers
+        began = time.perf_counter()
         during = rate(step, 3.0)
+        window = (began, time.perf_counter())
     finally:
         process.kill()
-        process.wait()
+        output, _ = process.communicate()
+    # perf_counter is one clock across processes on Linux (CLOCK_MONOTONIC).
+    counts = [tuple(map(float, line.split())) for line in output.splitlines() if line.count(" ") == 1]
+    inside = [moved for at, moved in counts if window[0] <= at <= window[1]]
+    moved_mib_per_s = (inside[-1] - inside[0]) / 2**20 / (window[1] - window[0]) if len(inside) > 1 else None
     return {
         "mode": f"beside {kind}",
         "before_steps_per_s": before,
         "during_steps_per_s": during,
         "ratio": during / before,
+        "neighbour_mib_per_s": moved_mib_per_s,
     }
 
 
@@ -167,9 +214,22 @@ def main() -> None:
     parser.add_argument(
         "--neighbours", action="store_true", help="a spinning or copying neighbour, no uploads"
     )
+    parser.add_argument(
+        "--pieces",
+        type=float,
+        default=None,
+        metavar="MIB_PER_S",
+        help="neighbours doing one piece of an upload each (copy, SHA-256, plain PUT) at this rate, "
+        "beside the upload process itself",
+    )
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args()
-    modes = ("beside spin", "beside memcpy") if args.neighbours else ("in_process", "process")
+    if args.pieces is not None:
+        modes = ("process", "beside copy-2mib", "beside sha256", "beside put")
+    elif args.neighbours:
+        modes = ("beside spin", "beside memcpy")
+    else:
+        modes = ("in_process", "process")
 
     from tiercache.testing.servers import RedisServer, create_bucket
 
@@ -187,12 +247,14 @@ def main() -> None:
                 create_bucket(url, "interference")
             for _ in range(args.repeats):
                 for mode in modes:
-                    if args.neighbours:
-                        row = measure_neighbour(step, mode.split()[1], service_cpus)
+                    if mode.startswith("beside"):
+                        row = measure_neighbour(step, mode.split()[1], service_cpus, args.pieces or 0.0, url)
                         rows.append(row)
+                        moved = row["neighbour_mib_per_s"]
                         print(
-                            f"{mode:14s} forward {row['before_steps_per_s']:.1f} -> "
-                            f"{row['during_steps_per_s']:.1f} steps/s ({row['ratio']:.2f}x)",
+                            f"{mode:16s} forward {row['before_steps_per_s']:.1f} -> "
+                            f"{row['during_steps_per_s']:.1f} steps/s ({row['ratio']:.2f}x)"
+                            + (f" while it moved {moved:.0f} MiB/s" if moved else ""),
                             flush=True,
                         )
                         continue
