@@ -33,8 +33,10 @@ from .copier import PagedKVCopier
 # Programs (thread blocks) each layer's copy kernel runs on. A copy over PCIe keeps its
 # SMs waiting on host memory; given every SM it holds them all and the forward's kernels
 # queue behind it (measured on an H100: the copy then overlapped almost nothing). A few
-# SMs keep PCIe busy and leave the rest to the forward; see benchmarks/gpu_layerwise.py.
-LAYER_COPY_PROGRAMS = 16
+# SMs keep PCIe busy and leave the rest to the forward. Best of 8, 12, 16 and 24 in each
+# of four runs on an H100 (benchmarks/gpu_layerwise.py): 16 for loads, 8 for stores.
+LAYER_LOAD_PROGRAMS = 16
+LAYER_STORE_PROGRAMS = 8
 
 
 class StreamLayerwiseLoad:
@@ -45,7 +47,7 @@ class StreamLayerwiseLoad:
         slots: list[int],
         block_ids: list[int],
         order: list[str],
-        programs: int = LAYER_COPY_PROGRAMS,
+        programs: int = LAYER_LOAD_PROGRAMS,
     ):
         if not copier.one_launch(buffer):
             raise ValueError(
@@ -95,7 +97,7 @@ class StreamLayerwiseSave:
         buffer: CpuBuffer,
         block_ids: list[int],
         slots: list[int],
-        programs: int = LAYER_COPY_PROGRAMS,
+        programs: int = LAYER_STORE_PROGRAMS,
     ):
         if not copier.one_launch(buffer):
             raise ValueError(
