@@ -136,9 +136,10 @@ class PagedKVCopier:
         return self.fused is not None and (buffer.pinned or not self.on_cuda)
 
     def tables(self, block_ids: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids, slot numbers) on the device, in one upload. On CUDA it goes
-        through page-locked memory: an upload from pageable memory would hold the host
-        until the current stream is idle, and these are made while a forward runs."""
+        """(block ids, slot numbers) on the device, in one upload, on the current
+        stream. On CUDA it goes through page-locked memory: an upload from pageable
+        memory would hold the host until the stream is idle, and these are made while a
+        forward runs."""
         # Rows of even length keep the second one 16-byte aligned like the first:
         # Triton compiles a kernel per pointer alignment.
         width = len(block_ids) + len(block_ids) % 2
@@ -149,33 +150,48 @@ class PagedKVCopier:
             both = both.pin_memory().to(self.device, non_blocking=True)
         return both[0, : len(block_ids)], both[1, : len(slots)]
 
+    @contextlib.contextmanager
+    def queued_after_forward(self):
+        """Work inside goes on the copy stream, ordered after everything the forward's
+        stream has queued so far; the host does not wait for it. On the CPU backend
+        there is no stream: the work is done when it returns."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event at this point of the copy stream (None on the CPU backend, where
+        queued work is already done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:
         if not block_ids:
             return
-        if self.stream is None:
-            self._copy_blocks(block_ids, slots, buffer, out_of_kv, False)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            tables = self.tables(block_ids, slots)
-            # The copy stream waits for the forward that wrote (or will read) these blocks.
-            self.stream.wait_stream(compute)
-            self._copy_blocks(block_ids, slots, buffer, out_of_kv, buffer.pinned, tables)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()
+        with self.queued_after_forward():
+            self._copy_blocks(block_ids, slots, buffer, out_of_kv)
+            done = self.mark()
+        if done is not None:
+            done.synchronize()
 
     def _copy_blocks(
-        self, block_ids, slots, buffer: CpuBuffer, out_of_kv: bool, non_blocking: bool, tables=None
-    ):
-        if self.one_launch(buffer) or self.staged:
-            index, rows = tables or self.tables(block_ids, slots)
+        self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool
+    ) -> None:
+        non_blocking = buffer.pinned and self.on_cuda
         if self.one_launch(buffer):
+            index, rows = self.tables(block_ids, slots)
             if out_of_kv:
                 self.fused.gather(index, rows, buffer.tensor)
             else:
                 self.fused.scatter(buffer.tensor, rows, index)
         elif self.staged:
+            index, _ = self.tables(block_ids, slots)
             self._copy_staged(index, slots, buffer, out_of_kv, non_blocking)
         else:
             spans = runs(block_ids, slots)
@@ -236,23 +252,25 @@ class PagedKVCopier:
         if not self.one_launch(buffer):
             return
         try:
-            with torch.cuda.stream(self.stream) if self.on_cuda else contextlib.nullcontext():
-                index, rows = self.tables([0], [0])
-                self.fused.gather(index, rows, buffer.tensor)
-                if self.on_cuda:
-                    self.stream.synchronize()
-                for region in self.regions:
-                    want = region.blocks[0].cpu().reshape(-1).view(torch.uint8)
-                    if not torch.equal(buffer.tensor[0, region.offset : region.offset + region.nbytes], want):
-                        raise RuntimeError(f"layer {region.name} did not reach the slot intact")
-                self.fused.scatter(buffer.tensor, rows, index)
-                if self.on_cuda:
-                    self.stream.synchronize()
+            index, rows = self.tables([0], [0])
+            self.fused.gather(index, rows, buffer.tensor)
+            self._drain()
+            for region in self.regions:
+                want = region.blocks[0].cpu().reshape(-1).view(torch.uint8)
+                if not torch.equal(buffer.tensor[0, region.offset : region.offset + region.nbytes], want):
+                    raise RuntimeError(f"layer {region.name} did not reach the slot intact")
+            self.fused.scatter(buffer.tensor, rows, index)
+            self._drain()
         except Exception as error:  # a Triton or driver that cannot build or map it
             log.warning(
                 "tiercache: the one-launch block copy is unavailable (%s); copying layer by layer", error
             )
             self.fused = None
+
+    def _drain(self) -> None:
+        """Wait for every kernel queued so far (warm-up runs before any forward)."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def _stage_view(stage: torch.Tensor, region: LayerRegion, n: int) -> torch.Tensor:

@@ -39,6 +39,11 @@ LAYER_LOAD_PROGRAMS = 16
 LAYER_STORE_PROGRAMS = 8
 
 
+def _require_one_launch(copier: PagedKVCopier, buffer: CpuBuffer, what: str) -> None:
+    if not copier.one_launch(buffer):
+        raise ValueError(f"layer-by-layer {what} on CUDA need the one-launch copy and a page-locked CPU tier")
+
+
 class StreamLayerwiseLoad:
     def __init__(
         self,
@@ -49,33 +54,18 @@ class StreamLayerwiseLoad:
         order: list[str],
         programs: int = LAYER_LOAD_PROGRAMS,
     ):
-        if not copier.one_launch(buffer):
-            raise ValueError(
-                "layer-by-layer loads on CUDA need the one-launch copy and a page-locked CPU tier"
-            )
+        _require_one_launch(copier, buffer, "loads")
         self._device = copier.device
-        self._ready: dict[str, torch.cuda.Event] = {}
-        self._last: torch.cuda.Event | None = None
-        layers = [name for name in order if name in copier.layer_numbers]
-        if not copier.on_cuda:
+        self._ready: dict[str, torch.cuda.Event | None] = {}
+        # Blocks handed to this request may still be read by work queued before it.
+        with copier.queued_after_forward():
             index, rows = copier.tables(block_ids, slots)
-            for name in layers:
-                number = copier.layer_numbers[name]
-                copier.fused.scatter(buffer.tensor, rows, index, range(number, number + 1), programs)
-            return
-        compute = torch.cuda.current_stream(self._device)
-        with torch.cuda.stream(copier.stream):
-            index, rows = copier.tables(block_ids, slots)
-            # Blocks handed to this request may still be read by work queued before it.
-            copier.stream.wait_stream(compute)
-            for name in layers:
-                number = copier.layer_numbers[name]
-                copier.fused.scatter(buffer.tensor, rows, index, range(number, number + 1), programs)
-                ready = torch.cuda.Event()
-                ready.record(copier.stream)
-                self._ready[name] = ready
-            self._last = torch.cuda.Event()
-            self._last.record(copier.stream)
+            for name in order:
+                number = copier.layer_numbers.get(name)
+                if number is not None:
+                    copier.fused.scatter(buffer.tensor, rows, index, range(number, number + 1), programs)
+                    self._ready[name] = copier.mark()
+            self._last = copier.mark()
 
     def wait(self, name: str) -> None:
         """Order the forward's next kernels after layer `name` is in place (a layer
@@ -99,50 +89,32 @@ class StreamLayerwiseSave:
         slots: list[int],
         programs: int = LAYER_STORE_PROGRAMS,
     ):
-        if not copier.one_launch(buffer):
-            raise ValueError(
-                "layer-by-layer stores on CUDA need the one-launch copy and a page-locked CPU tier"
-            )
+        _require_one_launch(copier, buffer, "stores")
         self._copier = copier
         self._buffer = buffer
         self._programs = programs
         self._left = dict(copier.layer_numbers)  # name -> layer number, not copied yet
-        if copier.on_cuda:
-            with torch.cuda.stream(copier.stream):
-                self._index, self._rows = copier.tables(block_ids, slots)
-        else:
+        with copier.queued_after_forward():
             self._index, self._rows = copier.tables(block_ids, slots)
 
-    def _gather(self, layers: range, programs: int | None) -> None:
-        self._copier.fused.gather(self._index, self._rows, self._buffer.tensor, layers, programs)
+    def _gather(self, number: int, programs: int | None) -> None:
+        layer = range(number, number + 1)
+        self._copier.fused.gather(self._index, self._rows, self._buffer.tensor, layer, programs)
 
     def save(self, name: str) -> None:
         """Layer `name` has been written by the forward: start copying it out."""
         number = self._left.pop(name, None)
-        if number is None:
-            return
-        if not self._copier.on_cuda:
-            self._gather(range(number, number + 1), self._programs)
-            return
-        stream = self._copier.stream
-        stream.wait_stream(torch.cuda.current_stream(self._copier.device))
-        with torch.cuda.stream(stream):
-            self._gather(range(number, number + 1), self._programs)
+        if number is not None:
+            with self._copier.queued_after_forward():
+                self._gather(number, self._programs)
 
     def finish(self) -> None:
         """Copy the layers whose hook never came, then return once every layer is in
         its slot."""
-        left = sorted(self._left.values())
-        self._left = {}
-        if not self._copier.on_cuda:
-            for number in left:
-                self._gather(range(number, number + 1), None)
-            return
-        stream = self._copier.stream
-        stream.wait_stream(torch.cuda.current_stream(self._copier.device))
-        with torch.cuda.stream(stream):
+        left, self._left = sorted(self._left.values()), {}
+        with self._copier.queued_after_forward():
             for number in left:  # after the forward: every SM is free, so the full grid
-                self._gather(range(number, number + 1), None)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+                self._gather(number, None)
+            done = self._copier.mark()
+        if done is not None:
+            done.synchronize()
