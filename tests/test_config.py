@@ -183,6 +183,14 @@ def test_password_is_redacted():
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
+def test_redaction_hides_a_password_holding_an_at_sign_and_query_secrets():
+    # Review fix: the password ran up to the first "@", so what followed it leaked.
+    assert redact_url("redis://alice:pa@ss@w0rd@h:6379/0") == "redis://alice:***@h:6379/0"
+    assert redact_url("rediss://:p@x@h:1") == "rediss://:***@h:1"
+    shown = redact_url("redis://h:6379/0?password=hunter2&db=1&ssl_password=x2")
+    assert shown == "redis://h:6379/0?password=***&db=1&ssl_password=***"
+
+
 def test_a_refused_redis_url_does_not_echo_its_password():
     with pytest.raises(ConfigError) as info:
         build_config({"redis_url": "http://bob:hunter2@h:6379"}, environ={})

@@ -204,8 +204,16 @@ class TierCacheConfig(_Strict):
         return data
 
 
+# The authority's password runs to its LAST "@" (a password may hold "@"); the
+# authority ends at the first "/", "?" or "#" after the scheme.
+_URL_PASSWORD = re.compile(r"(://[^:/?#@]*:)[^/?#]*@")
+# Query parameters that carry a secret (redis-py reads some options from the query).
+_QUERY_SECRET = re.compile(r"([?&][^=&#]*(?:password|passwd|pwd|secret|token)=)[^&#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """The URL with any password (in the authority or the query) shown as ***."""
+    return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url, count=1))
 
 
 class ConfigError(ValueError):
