@@ -76,28 +76,52 @@ def header_length(prefix: bytes) -> int:
 
 
 def decode_header(raw: bytes) -> ObjectHeader:
-    """Parse the JSON part of a safetensors preamble into an ObjectHeader."""
+    """Parse the JSON part of a safetensors preamble into an ObjectHeader.
+
+    The bytes come from a disk or a bucket, so they are untrusted: anything that is
+    not a well-formed tiercache header, whatever its shape, is a CorruptObject (a
+    miss for the read path), never another exception."""
     try:
         # Strip the padding first: json.loads scans trailing whitespace slower than it
         # parses the few hundred bytes of header before it.
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw
         header = json.loads(text.rstrip())
-        meta = header["__metadata__"]
-        tensor = header[TENSOR_NAME]
-        nbytes = int(tensor["shape"][0])
-        if meta.get("format") != "tiercache" or tensor["data_offsets"] != [0, nbytes]:
-            raise CorruptObject("not a tiercache object")
-        return ObjectHeader(
-            key=meta["key"],
-            namespace_digest=meta["namespace_digest"],
-            nbytes=nbytes,
-            checksum=meta["checksum_xxh3_64"],
-            layout=meta.get("layout", ""),
-            dtype=meta.get("dtype", ""),
-            shapes=meta.get("shapes", ""),
-        )
-    except (ValueError, KeyError, TypeError, IndexError) as error:
-        raise CorruptObject(f"unreadable header: {error}") from None
+    # RecursionError: deeply nested arrays; ValueError covers bad UTF-8 and JSON.
+    except (ValueError, RecursionError) as error:
+        raise CorruptObject(f"unreadable header: {type(error).__name__}") from None
+    meta = _member(header, "__metadata__", dict, "header")
+    tensor = _member(header, TENSOR_NAME, dict, "header")
+    shape = _member(tensor, "shape", list, TENSOR_NAME)
+    nbytes = shape[0] if len(shape) == 1 else None
+    # bool is an int to Python, not to a reader of the header.
+    if type(nbytes) is not int or nbytes < 0:
+        raise CorruptObject(f"tensor shape {shape!r:.80} is not one byte count")
+    if meta.get("format") != "tiercache" or tensor.get("data_offsets") != [0, nbytes]:
+        raise CorruptObject("not a tiercache object")
+    return ObjectHeader(
+        key=_member(meta, "key", str),
+        namespace_digest=_member(meta, "namespace_digest", str),
+        nbytes=nbytes,
+        checksum=_member(meta, "checksum_xxh3_64", str),
+        layout=_member(meta, "layout", str, default=""),
+        dtype=_member(meta, "dtype", str, default=""),
+        shapes=_member(meta, "shapes", str, default=""),
+    )
+
+
+_REQUIRED = object()
+
+
+def _member(container: object, name: str, kind: type, where: str = "__metadata__", default=_REQUIRED):
+    """container[name], checked to be a `kind`; CorruptObject when it is not."""
+    if not isinstance(container, dict):
+        raise CorruptObject(f"{where} is a {type(container).__name__}, not an object")
+    value = container.get(name, default)
+    if value is _REQUIRED:
+        raise CorruptObject(f"{where} has no {name!r}")
+    if not isinstance(value, kind):
+        raise CorruptObject(f"{where}[{name!r}] is a {type(value).__name__}, not a {kind.__name__}")
+    return value
 
 
 def check_header(header: ObjectHeader, key: str, nbytes: int) -> None:
