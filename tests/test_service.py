@@ -276,6 +276,68 @@ def test_lookup_rejects_bodies_that_are_not_json(light):
     assert huge.status_code in (400, 413)
 
 
+@pytest.fixture
+def live_service(redis, redis_url):
+    """The real app on uvicorn on a loopback port: (port, the app's state)."""
+    import threading
+
+    import uvicorn
+
+    from tiercache.testing.servers import free_port
+
+    app = create_app(make_config(redis_url), admin_token=TOKEN)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield port, app.state.tiercache
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_once_the_limit_is_read(live_service):
+    """No Content-Length to check: the service must count what it reads and stop."""
+    import socket
+    import threading
+
+    port, state = live_service
+    chunk = b"0" * (1 << 20)
+    head = b'{"namespace": "ns1", "block_hashes": ["'
+    sent = {"bytes": 0}
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+
+    def send_body() -> None:
+        request = (
+            b"POST /v1/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        try:
+            conn.sendall(request + b"%x\r\n%s\r\n" % (len(head), head))
+            for _ in range(20):  # 20 MiB, over the 16 MiB limit
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent["bytes"] += len(chunk)
+            conn.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the service answered and closed before the body ended: expected
+
+    sender = threading.Thread(target=send_body, daemon=True)
+    sender.start()
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        data = conn.recv(65536)
+        if not data:
+            break
+        answer += data
+    sender.join(30)
+    conn.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert state.lookups == {}  # the endpoint never ran
+
+
 HEX = "0123456789abcdefABCDEF"
 json_values = st.recursive(
     st.none()

@@ -661,6 +661,65 @@ class _AsciiJSON(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
+class BodyLimit:
+    """Refuses a request body over `limit` bytes with 413.
+
+    A declared Content-Length over the limit is refused before anything is read. A
+    chunked body declares nothing, so the bytes are counted as they arrive: the body
+    is read here, at most `limit` bytes of it, and handed on to the app unchanged. (The
+    endpoints read their whole body anyway, so buffering it costs nothing more.)"""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._check_length(scope)
+        if refusal is None:
+            messages, refusal = await self._read_body(receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        pending = iter(messages)
+
+        async def replay():
+            message = next(pending, None)
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _check_length(self, scope) -> JSONResponse | None:
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is None:
+            return None
+        if not length.isdigit():
+            return _AsciiJSON({"detail": "Content-Length is not a number"}, status_code=400)
+        if int(length) > self.limit:
+            return self._too_large()
+        return None
+
+    async def _read_body(self, receive) -> tuple[list[dict], JSONResponse | None]:
+        """The body's messages, or a 413 as soon as more than `limit` bytes came."""
+        messages: list[dict] = []
+        received = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away
+                return messages, None
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                return messages, self._too_large()
+            if not message.get("more_body", False):
+                return messages, None
+
+    def _too_large(self) -> JSONResponse:
+        return _AsciiJSON({"detail": f"request body over {self.limit} bytes"}, status_code=413)
+
+
 def _field_name(loc: tuple) -> str:
     parts = [str(part)[:64] for part in loc]
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -714,15 +773,7 @@ def create_app(
     )
     app.state.tiercache = state
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return _AsciiJSON({"detail": "Content-Length is not a number"}, status_code=400)
-            if int(length) > MAX_BODY_BYTES:
-                return _AsciiJSON({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError):
