@@ -101,6 +101,8 @@ class TierCacheWorker:
         self._layer_helper: ThreadPoolExecutor | None = None
         # This step's stores being copied out layer by layer (CUDA), if any.
         self._saving: StreamLayerwiseSave | None = None
+        # The metadata of the step whose write-backs have been taken (see _begin_step).
+        self._begun: TierCacheMetadata | None = None
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
@@ -164,15 +166,36 @@ class TierCacheWorker:
             self._events[(kind, value)] += 1
 
     # -- loads ----------------------------------------------------------------------
+    def _begin_step(self, meta: TierCacheMetadata) -> None:
+        """Once per step, before anything of the step is copied into a CPU slot: take
+        the write-back victims' bytes while their slots still hold them.
+
+        It runs from whichever hook comes first. vLLM calls `start_load_kv` after the
+        forward when the step has no synchronous loads, and by then `save_layer` has
+        queued (on CUDA) or `wait_for_save` has made the step's store copies, some of
+        them into a victim's reused slot: a copy taken there would mix the new block's
+        bytes into the old key's object, under a checksum that matches."""
+        if meta is self._begun:
+            return
+        self._begun = meta
+        if self.engine is None or not meta.write_backs:
+            return
+        if self.copier.stream is not None:
+            # Copies queued in earlier steps may still touch these slots (the
+            # scheduler frees a slot only once they are reported done); waiting for the
+            # copy stream to drain makes sure, and happens only in steps that evict.
+            self.copier.stream.synchronize()
+        for block_hash, slot in meta.write_backs:
+            # The slot is reused this step: write the old block down from a copy.
+            data = bytes(self.buffer.view(slot))
+            self.engine.write_down(block_hash, None, self._after_write, data=data)
+
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
         if self.engine is None:
             self._fail_all(meta)
             return
-        for block_hash, slot in meta.write_backs:
-            # The slot is reused this step: write the old block down from a copy.
-            data = bytes(self.buffer.view(slot))
-            self.engine.write_down(block_hash, None, self._after_write, data=data)
+        self._begin_step(meta)
         cpu_hits: list[LoadJob] = []
         for job in meta.loads:
             if job.is_async:
@@ -321,6 +344,7 @@ class TierCacheWorker:
         (layerwise_gpu.py); elsewhere stores are copied whole in `wait_for_save`."""
         if self.engine is None or not meta.stores or not self._stream_copies():
             return
+        self._begin_step(meta)
         if self._saving is None:
             ops = meta.stores
             self._saving = StreamLayerwiseSave(
@@ -337,6 +361,7 @@ class TierCacheWorker:
         saving, self._saving = self._saving, None
         if self.engine is None or not meta.stores:
             return
+        self._begin_step(meta)
         ops = meta.stores
         if saving is not None:
             saving.finish()

@@ -325,3 +325,62 @@ def test_a_prompt_is_stored_with_what_each_layer_wrote_in_this_step(copy_path):
         assert events[(FILLED, b"s" * 32)] == 1 and events[(FILLED, b"t" * 32)] == 1
     finally:
         worker.shutdown()
+
+
+def make_write_back_worker(kv, disk_root) -> TierCacheWorker:
+    """A worker that writes down to a real disk tier (write-back policy)."""
+    slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
+    config = build_config(
+        {
+            "cpu": {"capacity": 8 * slot_bytes},
+            "disk": {"path": str(disk_root), "capacity": 64 * slot_bytes},
+            "movers": {"policy": "write_back"},
+        }
+    )
+    spec = KVSpec("m", "", "float32", "auto", 32, "cpu", len(kv), 2, 16, 1, 0, "t", slot_bytes)
+    worker = TierCacheWorker(
+        config, spec, "digest", NUM_BLOCKS, tp_rank=0, writes_lower_tiers=True, disk_share=0
+    )
+    worker.register_kv_caches(kv, slot_bytes)
+    return worker
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["stores, start_load_kv, wait_for_save", "stores, wait_for_save, start_load_kv"],
+    ids=["start after the forward (vLLM, no sync loads)", "start after the save"],
+)
+def test_a_write_back_victim_is_written_down_as_it_was_before_its_slot_is_reused(
+    copy_path, order, tmp_path
+):
+    """vLLM starts a step's loads after its forward when none of them feeds it: by then
+    the step's stores may have been copied into the victim's slot (on CUDA, layer by
+    layer as the forward goes). The victim must still go down exactly as it was."""
+    kv = paged_kv()
+    worker = make_write_back_worker(kv, tmp_path / "disk")
+    old_hash, slot = b"o" * 32, 6
+    try:
+        forward(worker, empty_step(), LAYERS)  # learn the layer order
+        worker.copier.to_slots([1], [slot], worker.buffer)  # the victim, stored earlier
+        old = bytes(worker.buffer.view(slot))
+        # This step evicts it: a new block is stored into its slot.
+        meta = TierCacheMetadata(
+            write_backs=[(old_hash, slot)], loads=[], stores=[BlockOp(b"n" * 32, 9, slot, "cpu")]
+        )
+        for name in LAYERS:
+            worker.wait_for_layer(name)
+            kv[name][9] = torch.randn(*kv[name].shape[1:])  # the attention's new KV
+            worker.save_layer(name, meta)
+        if order.endswith("wait_for_save"):
+            worker.start_load_kv(meta)
+            worker.wait_for_save(meta)
+        else:
+            worker.wait_for_save(meta)
+            worker.start_load_kv(meta)
+        assert bytes(worker.buffer.view(slot)) != old  # the new block is in the slot now
+        assert worker.engine.flush(10)
+        written = bytearray(len(old))
+        assert worker.engine.disk.get_into(worker.engine.shape.key(old_hash), memoryview(written))
+        assert bytes(written) == old
+    finally:
+        worker.shutdown()

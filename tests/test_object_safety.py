@@ -6,9 +6,12 @@ holder wrote is never served."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 import uuid
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,3 +159,59 @@ def test_fuzz_arbitrary_bytes_decode_or_are_corrupt(raw):
 @given(JSON_VALUES | HEADERISH)
 def test_fuzz_arbitrary_json_and_headerish_dicts_decode_or_are_corrupt(header):
     decodes_or_corrupt(json.dumps(header).encode())
+
+
+# -- disk objects readable by their owner only --------------------------------------------------
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture(params=[0o022, 0o000], ids=["umask 022", "umask 000"])
+def permissive_umask(request):
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def aligned_payload(seed: int) -> memoryview:
+    """Page-aligned memory, so an O_DIRECT tier really writes with O_DIRECT."""
+    buffer = np.empty(SLOT + 4096, dtype=np.uint8)
+    start = -buffer.ctypes.data % 4096
+    view = memoryview(buffer[start : start + SLOT])
+    view[:] = bytes([seed]) * SLOT
+    return view
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_disk_objects_and_folders_are_private_whatever_the_umask(tmp_path, permissive_umask, o_direct):
+    """KV bytes can be inverted into the prompt that made them: no other user may read
+    an object, list a folder, or see a temp file mid-write."""
+    root = tmp_path / "made" / "by" / "tiercache"
+    tier = DiskTier(root, 1 << 20, o_direct=o_direct)
+    keys = [new_key() for _ in range(3)]
+    for seed, key in enumerate(keys):
+        assert tier.put(key, aligned_payload(seed), plain_header(key, payload(seed)))
+    for folder in (tmp_path / "made", tmp_path / "made" / "by", root):
+        assert mode(folder) == 0o700, folder
+    for key in keys:
+        path = tier.path_of(key)
+        # The temp file is renamed into place, so the object has the mode it was made with.
+        assert mode(path) == 0o600, path
+        assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
+
+
+def test_an_existing_root_is_left_as_it_is_and_older_objects_are_made_private(tmp_path, permissive_umask):
+    """A root the operator made (a hostPath, a shared mount) keeps its mode; objects
+    and folders an older tiercache left world-readable are closed on the next start."""
+    tmp_path.chmod(0o755)
+    key = new_key()
+    DiskTier(tmp_path, 1 << 20).put(key, payload(), plain_header(key, payload()))
+    path = DiskTier(tmp_path, 1 << 20).path_of(key)
+    for opened, permissions in ((path, 0o644), (path.parent, 0o755), (path.parent.parent, 0o755)):
+        opened.chmod(permissions)  # as an older tiercache left them
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert mode(tmp_path) == 0o755
+    assert (mode(path), mode(path.parent), mode(path.parent.parent)) == (0o600, 0o700, 0o700)
+    assert tier.get_into(key, memoryview(bytearray(SLOT)))

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from stat import S_IMODE
 
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 TIER = "disk"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
+# KV bytes can be inverted into the prompts that made them: objects, temp files and
+# the folders that hold them are the owner's alone, whatever the process umask.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def _pid_alive(pid: int) -> bool:
@@ -63,7 +68,7 @@ class DiskTier:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
         self._usage = 0
         self._writing = 0  # bytes of writes in flight: counted against capacity too
-        self.root.mkdir(parents=True, exist_ok=True)
+        _make_private_dirs(str(self.root))
         self._root = str(self.root)
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
@@ -85,6 +90,7 @@ class DiskTier:
         for digest_dir in self.root.iterdir():
             if not digest_dir.is_dir() or len(digest_dir.name) != 16:
                 continue
+            _close_folders(digest_dir)
             for path in digest_dir.glob("*/*"):
                 name = path.name
                 if name.startswith(TMP_PREFIX):
@@ -96,6 +102,8 @@ class DiskTier:
                 try:
                     split_key(key)
                     stat = path.stat()
+                    if stat.st_mode & 0o077:  # left readable by a tiercache before 0600
+                        path.chmod(FILE_MODE)
                 except (ValueError, OSError):
                     continue
                 found.append((stat.st_mtime, key, stat.st_size))
@@ -162,7 +170,7 @@ class DiskTier:
                 try:
                     self._write(tmp, preamble, data)
                 except FileNotFoundError:  # the object's folder does not exist yet
-                    os.makedirs(folder, exist_ok=True)
+                    _make_private_dirs(folder)
                     self._write(tmp, preamble, data)
                 os.replace(tmp, path)
         except OSError as error:
@@ -182,7 +190,7 @@ class DiskTier:
     def _write(self, tmp: str, preamble: bytes, data: memoryview) -> None:
         direct = self.o_direct and _aligned(data)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, FILE_MODE)  # the umask can only narrow it
         try:
             if direct:
                 # O_DIRECT needs aligned memory: copy the small preamble into an
@@ -302,6 +310,30 @@ class DiskTier:
         with contextlib.suppress(OSError):
             now = time.time()
             os.utime(self.path_of(key), (now, now))
+
+
+def _make_private_dirs(path: str) -> None:
+    """os.makedirs(path, exist_ok=True), with each folder it makes DIR_MODE exactly:
+    mkdir's mode passes through the umask, so it is set again once made."""
+    missing = []
+    while path and not os.path.isdir(path):  # "": the top of a relative path
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:
+            continue  # made a moment ago by another writer, which makes it private too
+        os.chmod(folder, DIR_MODE)
+
+
+def _close_folders(digest_dir: Path) -> None:
+    """Make a digest's folder and its fan-out folders DIR_MODE (a tiercache before
+    this one made them with the umask's mode)."""
+    for folder in (digest_dir, *digest_dir.iterdir()):
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and S_IMODE(folder.stat().st_mode) != DIR_MODE:
+                folder.chmod(DIR_MODE)
 
 
 def _aligned(data: memoryview) -> bool:
