@@ -396,3 +396,88 @@ def test_engine_over_a_bare_buffer(tmp_path):
         assert not engine.stage(block(3), 1, S3)  # no S3 tier configured
     finally:
         engine.close()
+
+
+class FaultyEndpoint:
+    """An HTTP endpoint on loopback that answers every request with `answer` (raw
+    response bytes) and then closes the connection: an S3 that refuses, throttles, or
+    cuts a body short."""
+
+    def __init__(self, answer: bytes):
+        import socket
+
+        self.answer = answer
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                conn.sendall(self.answer)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def s3_error(status: str, code: str) -> bytes:
+    body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>no</Message></Error>'
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n{body}"
+    ).encode()
+
+
+def cut_short(whole: bytes) -> bytes:
+    """The object's first 6 KiB (its header and some pages) under its full length."""
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(whole)}\r\nConnection: close\r\n\r\n".encode()
+    return head + whole[: 6 * 1024]
+
+
+@pytest.mark.parametrize("fault", ["503 SlowDown", "403 AccessDenied", "connection cut mid-body", "refused"])
+def test_a_transient_s3_failure_is_a_miss_that_keeps_the_index_entry(fault, tmp_path, stack):
+    writer = stack(disk=None, slots=1)
+    put_flushed(writer, 0)
+    assert indexed(writer) == 1
+    s3 = writer.engine.s3
+    name = s3.object_name(writer.shape.key(block(0)))
+    whole = s3.client.get_object(Bucket=s3.bucket, Key=name)["Body"].read()
+    answers = {
+        "503 SlowDown": s3_error("503 Slow Down", "SlowDown"),
+        "403 AccessDenied": s3_error("403 Forbidden", "AccessDenied"),
+        "connection cut mid-body": cut_short(whole),
+    }
+    endpoint = FaultyEndpoint(answers.get(fault, b""))
+    if fault == "refused":
+        endpoint.close()  # nothing listens on the port any more
+    faulty = {"endpoint_url": endpoint.url, "max_attempts": 1, "connect_timeout": 1, "read_timeout": 1}
+    config = writer.config.model_copy(update={"s3": writer.config.s3.model_copy(update=faulty)})
+    reader = TierEngine(config, writer.shape, CpuBuffer(1, BLOCK, pin_memory=False))
+    try:
+        out = memoryview(bytearray(BLOCK))
+        assert not reader.read_into(block(0), out, S3)  # a miss...
+        assert indexed(writer) == 1  # ...and nothing else: the object is still there
+        assert writer.engine.read_into(block(0), out, S3) and bytes(out) == data(0)
+    finally:
+        reader.close()
+        endpoint.close()
+
+
+def test_a_missing_s3_object_is_unindexed(stack):
+    cache = stack(disk=None, slots=1)
+    put_flushed(cache, 0)
+    s3 = cache.engine.s3
+    s3.client.delete_object(Bucket=s3.bucket, Key=s3.object_name(cache.shape.key(block(0))))
+    out = memoryview(bytearray(BLOCK))
+    assert not cache.engine.read_into(block(0), out, S3)
+    assert indexed(cache) == 0  # NoSuchKey: the entry named nothing

@@ -27,7 +27,7 @@ from tiercache.threads import any_cpu_thread, background_nice, background_thread
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
-from tiercache.tiers.s3 import S3Tier
+from tiercache.tiers.s3 import Fetch, S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
 
 log = logging.getLogger(__name__)
@@ -247,12 +247,14 @@ class TierEngine:
         except RedisUnavailable:
             return False
         try:
-            ok = self.s3.get_into(key, out)
-            if not ok and self.index is not None:
-                # Missing or corrupt: drop the stale entry so no one else asks for it.
+            fetched = self.s3.fetch_into(key, out)
+            if fetched in (Fetch.MISSING, Fetch.CORRUPT) and self.index is not None:
+                # The entry names no usable object: drop it so no one else asks for it.
+                # Any other failure (a timeout, 503, 403, a cut connection) says nothing
+                # about the object, so it is a miss and the entry stays.
                 with contextlib.suppress(RedisUnavailable):
                     self.index.remove(model, rank, block_hash)
-            return ok
+            return fetched is Fetch.OK
         finally:
             # If Redis is gone the lease simply expires.
             with contextlib.suppress(RedisUnavailable):

@@ -4,6 +4,7 @@ header verified on every read."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +28,17 @@ log = logging.getLogger(__name__)
 TIER = "s3"
 SUFFIX = ".safetensors"
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class Fetch(enum.Enum):
+    """What one GET found. Only MISSING and CORRUPT say anything about the object:
+    every other failure (a timeout, 503 SlowDown, 403 AccessDenied, a cut connection)
+    says only that this read did not work."""
+
+    OK = "ok"
+    MISSING = "missing"  # NoSuchKey / 404: there is no object
+    CORRUPT = "corrupt"  # a bad header or checksum: the object was deleted
+    UNAVAILABLE = "unavailable"  # the store did not answer, or refused this read
 
 
 class S3Unavailable(Exception):
@@ -86,6 +98,11 @@ class S3Tier:
     def get_into(self, key: str, out: memoryview) -> bool:
         """GET one object straight into `out` and verify it. Missing, unreachable
         or corrupt: False (a corrupt object is deleted and counted)."""
+        return self.fetch_into(key, out) is Fetch.OK
+
+    def fetch_into(self, key: str, out: memoryview) -> Fetch:
+        """GET one object straight into `out` and verify it, saying what was found
+        (see Fetch). A corrupt or mismatched object is deleted and counted."""
         try:
             with timed(TIER, "get", len(out)):
                 response = self.client.get_object(Bucket=self.bucket, Key=self.object_name(key))
@@ -98,25 +115,26 @@ class S3Tier:
                 finally:
                     stream.close()
                 verify(header, out)
-            return True
+            return Fetch.OK
         except ClientError as error:
-            if _code(error) not in _MISSING:
-                TIER_ERRORS.labels(TIER, _kind(error)).inc()
-                log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
-            return False
+            if _code(error) in _MISSING:
+                return Fetch.MISSING
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
+            return Fetch.UNAVAILABLE
         except BotoCoreError as error:
             TIER_ERRORS.labels(TIER, _kind(error)).inc()
             log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
-            return False
+            return Fetch.UNAVAILABLE
         except CorruptObject as error:
             TIER_ERRORS.labels(TIER, "corrupt").inc()
             log.warning("s3 tier: corrupt object %s removed: %s", key, error)
             self.delete(key)
-            return False
+            return Fetch.CORRUPT
         except OSError as error:  # a connection cut mid-body
             TIER_ERRORS.labels(TIER, "io").inc()
             log.warning("s3 tier: get of %s broke off: %s", key, error)
-            return False
+            return Fetch.UNAVAILABLE
 
     def exists(self, key: str) -> bool:
         try:
