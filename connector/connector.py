@@ -19,7 +19,7 @@ from tiercache.config import ConfigError, build_config
 
 from .metadata import TierCacheMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
-from .spec import kv_specs
+from .spec import kv_specs, refuse_unsupported
 from .stats import TierCachePromMetrics, TierCacheStats
 from .worker import TierCacheWorker
 
@@ -50,6 +50,7 @@ def log_through_vllm() -> None:
 
 class TierCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        refuse_unsupported(vllm_config)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         log_through_vllm()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})

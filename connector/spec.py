@@ -3,8 +3,32 @@ every worker, so both name objects alike."""
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 from tiercache.config import TierCacheConfig
-from tiercache.keys import KVSpec
+from tiercache.keys import KVSpec, layers_digest, weights_fingerprint
+
+log = logging.getLogger("tiercache.connector")
+_warned_unreadable: set[str] = set()  # models whose fallback was logged in this process
+
+
+def refuse_unsupported(vllm_config) -> None:
+    """Refuse, at engine start, deployments whose KV this connector cannot name right.
+
+    Pipeline parallelism: each stage holds other layers, so each (stage, TP rank)
+    needs its own objects, and the scheduler, which sees only the first stage's KV
+    cache config, would have to know every stage's layers and slot size to tell when
+    a block is whole. Until that is built, serving PP with one stage's view would
+    mix or lose layers; refusing is the only right answer."""
+    pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp_size > 1:
+        raise ValueError(
+            f"tiercache does not support pipeline parallelism (pipeline_parallel_size={pp_size}): "
+            "run with pipeline_parallel_size=1 (tensor parallelism is supported), or without "
+            "the tiercache connector"
+        )
 
 
 def _layout_name() -> str:
@@ -16,8 +40,62 @@ def _layout_name() -> str:
         return ""
 
 
+def _canonical(value) -> object:
+    """A JSON-able form of a config value that is the same in every process: a
+    function (hf_overrides may be one) by its name, never by a repr with an address."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    return value
+
+
+def _quantization(model, cache) -> str:
+    """Everything beyond dtype and KV dtype that changes the KV bytes one model
+    writes: the weights' quantization (fp8 weights give other activations, so other
+    KV, than bf16 ones of the same checkpoint), which layers skip KV quantization,
+    and config overrides (rope scaling changes every K)."""
+    fields = {
+        "method": model.quantization,
+        "config": _canonical(getattr(model, "quantization_config", None)),
+        "kv_skip_layers": sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or []),
+        "hf_overrides": _canonical(getattr(model, "hf_overrides", None) or {}),
+    }
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _weights_identity(model: str, revision: str | None, download_dir: str | None) -> str:
+    """The weights' fingerprint (see keys.weights_fingerprint) for a model directory,
+    or for a hub id, over the snapshot it resolves to in the local cache (the files
+    vLLM loaded). The scheduler and every worker read the same files, so they agree.
+    When nothing can be read (a remote loader, an unusual cache), the model id alone:
+    logged once, since new weights under that id would then get the old KV."""
+    directory: Path | None = Path(model) if Path(model).is_dir() else None
+    if directory is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json", cache_dir=download_dir, revision=revision)
+            if isinstance(found, str):
+                directory = Path(found).parent
+        except Exception as error:  # a malformed id, an unreadable cache: same fallback
+            log.debug("tiercache: no cached snapshot for %s: %s", model, error)
+    fingerprint = weights_fingerprint(directory) if directory is not None else None
+    if fingerprint is None:
+        if model in _warned_unreadable:
+            return ""
+        _warned_unreadable.add(model)
+        log.warning(
+            "tiercache: cannot read the weight files of %s, so its keys name the model id only; "
+            "set model_revision in the connector config so new weights under this id get new keys",
+            model,
+        )
+        return ""
+    return fingerprint
+
+
 def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSpec]:
-    """One KVSpec per TP rank."""
+    """One KVSpec per TP rank (pipeline parallelism is refused by refuse_unsupported)."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
@@ -32,6 +110,11 @@ def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSp
     # MLA keeps one latent cache that every rank holds whole: store it once.
     is_mla = bool(getattr(model, "use_mla", False))
     ranks = 1 if is_mla else tp_size
+    # A pinned revision names the weights; without one, their files do.
+    weights = ""
+    if not config.model_revision:
+        download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+        weights = _weights_identity(str(model.model), model.revision, download_dir)
     return [
         KVSpec(
             model=str(model.model),
@@ -47,6 +130,11 @@ def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSp
             tp_rank=rank,
             namespace=config.namespace,
             page_bytes=int(page_bytes),
+            pp_size=int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+            pp_rank=0,
+            layers=layers_digest(layer_names),
+            quantization=_quantization(model, cache),
+            weights=weights,
         )
         for rank in range(ranks)
     ]

@@ -26,7 +26,7 @@ from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.format import ObjectHeader, checksum
+from tiercache.tiers.format import ObjectHeader, PageShape, checksum
 from tiercache.tiers.s3 import Fetch, S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
 
@@ -59,6 +59,11 @@ class ObjectShape:
             dtype=self.dtype,
             shapes=self.shapes,
         )
+
+    @property
+    def pages(self) -> PageShape:
+        """What a read must find in an object's header to be served into this shape."""
+        return PageShape(self.layout, self.dtype, self.shapes)
 
     @property
     def object_bytes(self) -> int:
@@ -100,6 +105,7 @@ class TierEngine:
                 o_direct=config.disk.o_direct,
                 fsync=config.disk.fsync,
                 on_remove=on_disk_remove,
+                digest=shape.rank_digest,
             )
         self.redis = redis
         if self.redis is None and config.redis_url:
@@ -231,7 +237,7 @@ class TierEngine:
     def read_into(self, block_hash: bytes, out: memoryview, tier: str) -> bool:
         key = self.shape.key(block_hash)
         if tier == DISK and self.disk is not None:
-            ok = self.disk.get_into(key, out)
+            ok = self.disk.get_into(key, out, self.shape.pages)
         elif tier == S3 and self.s3 is not None:
             ok = self._download(block_hash, key, out)
         else:
@@ -247,7 +253,7 @@ class TierEngine:
         except RedisUnavailable:
             return False
         try:
-            fetched = self.s3.fetch_into(key, out)
+            fetched = self.s3.fetch_into(key, out, self.shape.pages)
             if fetched in (Fetch.MISSING, Fetch.CORRUPT) and self.index is not None:
                 # The entry names no usable object: drop it so no one else asks for it.
                 # Any other failure (a timeout, 503, 403, a cut connection) says nothing

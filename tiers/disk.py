@@ -23,6 +23,7 @@ from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
     ObjectHeader,
+    PageShape,
     check_header,
     decode_header,
     header_length,
@@ -58,8 +59,15 @@ class DiskTier:
         o_direct: bool = False,
         fsync: bool = False,
         on_remove: Callable[[str], None] | None = None,
+        digest: str | None = None,
     ):
+        """`digest`: the namespace digest whose objects this tier owns. Every TP rank
+        of one node keeps its objects under its own digest in one root, each with its
+        own share of the capacity: a tier that indexed its neighbours' files too would
+        count them against its share and evict them. None indexes every digest (tools
+        and tests that own the whole root)."""
         self.root = Path(root)
+        self.digest = digest
         self.capacity = capacity
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.fsync = fsync
@@ -90,6 +98,8 @@ class DiskTier:
         for digest_dir in self.root.iterdir():
             if not digest_dir.is_dir() or len(digest_dir.name) != 16:
                 continue
+            if self.digest is not None and digest_dir.name != self.digest:
+                continue  # another rank's (or model's) objects: theirs to count and evict
             _close_folders(digest_dir)
             for path in digest_dir.glob("*/*"):
                 name = path.name
@@ -207,15 +217,16 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def get_into(self, key: str, out: memoryview) -> bool:
-        """Read one object's pages straight into `out` and verify them. A missing
-        object is False; a corrupt one is removed, counted, and False."""
+    def get_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> bool:
+        """Read one object's pages straight into `out` and verify them (and, given
+        `expect`, that they hold the reader's layers and shapes). A missing object is
+        False; a corrupt or mismatched one is removed, counted, and False."""
         path = self._path(key)
         try:
             with timed(TIER, "get", len(out)):
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    self._read_verified(fd, key, out)
+                    self._read_verified(fd, key, out, expect)
                 finally:
                     os.close(fd)
         except FileNotFoundError:
@@ -236,7 +247,7 @@ class DiskTier:
         return True
 
     @staticmethod
-    def _read_verified(fd: int, key: str, out: memoryview) -> None:
+    def _read_verified(fd: int, key: str, out: memoryview, expect: PageShape | None = None) -> None:
         """Fill `out` with the object's pages and check them against its header.
 
         For the layout this tier writes (a DATA_ALIGN preamble, then the pages) one
@@ -254,6 +265,8 @@ class DiskTier:
         else:
             header = decode_header(os.pread(fd, length, 8))
         check_header(header, key, len(out))
+        if expect is not None:
+            expect.check(header)
         # The first read already holds the start of the pages only in this tier's layout.
         done = max(got - DATA_ALIGN, 0) if offset == DATA_ALIGN else 0
         DiskTier._read_into(fd, out, offset, done)

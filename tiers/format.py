@@ -131,6 +131,26 @@ def check_header(header: ObjectHeader, key: str, nbytes: int) -> None:
         raise CorruptObject(f"object holds {header.nbytes} bytes, expected {nbytes}")
 
 
+@dataclass(frozen=True)
+class PageShape:
+    """What a reader's slots hold: the layout, dtype and per-layer shapes (layer names
+    included) it wrote its own objects with. An object whose header says otherwise
+    holds other bytes, whatever its checksum says (another pipeline stage's layers, or
+    a key named by an older scheme): a CorruptObject, so a miss, never served. An empty
+    field is not checked: tools and benchmarks that do not know the shapes read any
+    object."""
+
+    layout: str = ""
+    dtype: str = ""
+    shapes: str = ""
+
+    def check(self, header: ObjectHeader) -> None:
+        for name in ("layout", "dtype", "shapes"):
+            want, have = getattr(self, name), getattr(header, name)
+            if want and have != want:
+                raise CorruptObject(f"object {header.key} holds {name} {have!r}, expected {want!r}")
+
+
 def verify(header: ObjectHeader, data: memoryview) -> None:
     check_digest(header, checksum(data))
 

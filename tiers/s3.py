@@ -18,6 +18,7 @@ from tiercache.metrics import TIER_ERRORS, timed
 from tiercache.tiers.format import (
     CorruptObject,
     ObjectHeader,
+    PageShape,
     check_header,
     decode_header,
     header_length,
@@ -95,12 +96,13 @@ class S3Tier:
             log.warning("s3 tier: dropped store of %s: %s", key, _describe(error))
             return False
 
-    def get_into(self, key: str, out: memoryview) -> bool:
-        """GET one object straight into `out` and verify it. Missing, unreachable
-        or corrupt: False (a corrupt object is deleted and counted)."""
-        return self.fetch_into(key, out) is Fetch.OK
+    def get_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> bool:
+        """GET one object straight into `out` and verify it (and, given `expect`,
+        that it holds the reader's layers and shapes). Missing, unreachable or
+        corrupt: False (a corrupt or mismatched object is deleted and counted)."""
+        return self.fetch_into(key, out, expect) is Fetch.OK
 
-    def fetch_into(self, key: str, out: memoryview) -> Fetch:
+    def fetch_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> Fetch:
         """GET one object straight into `out` and verify it, saying what was found
         (see Fetch). A corrupt or mismatched object is deleted and counted."""
         try:
@@ -111,6 +113,8 @@ class S3Tier:
                     prefix = _read_exact(stream, 8)
                     header = decode_header(_read_exact(stream, header_length(prefix)))
                     check_header(header, key, len(out))
+                    if expect is not None:
+                        expect.check(header)
                     _read_into(stream, out)
                 finally:
                     stream.close()
