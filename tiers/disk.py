@@ -95,11 +95,13 @@ class DiskTier:
         """Rebuild the LRU from the files present, oldest modification first, and
         clear temporary files left by processes that died mid-write."""
         found: list[tuple[float, str, int]] = []
+        others = 0
         for digest_dir in self.root.iterdir():
             if not digest_dir.is_dir() or len(digest_dir.name) != 16:
                 continue
             if self.digest is not None and digest_dir.name != self.digest:
-                continue  # another rank's (or model's) objects: theirs to count and evict
+                others += 1  # another rank's (or model's) objects: theirs to count and evict
+                continue
             _close_folders(digest_dir)
             for path in digest_dir.glob("*/*"):
                 name = path.name
@@ -123,6 +125,15 @@ class DiskTier:
         TIER_USAGE.labels(TIER).set(self._usage)
         if found:
             log.info("disk tier %s: re-indexed %d objects, %d bytes", self.root, len(found), self._usage)
+        if others:
+            # No tier counts or evicts a digest no running worker has: after an upgrade
+            # or a model change its folder stays until someone removes it.
+            log.info(
+                "disk tier %s: %d other digest folders left to their owners (other TP ranks, models, "
+                "or keys of an older tiercache); remove those no running engine uses",
+                self.root,
+                others,
+            )
         self._evict_to(self.capacity)
 
     @staticmethod
