@@ -110,6 +110,21 @@ def test_gc_prints_its_report(setup):
     assert report["orphans"]["scanned"] == 3
 
 
+def test_gc_reindex_rebuilds_a_flushed_index(setup, redis_url):
+    path, *_ = setup
+    assert run("gc", "--config", str(path)).returncode == 0  # keeps the registry's copy in S3
+    redis = GuardedRedis(redis_url, RedisConfig())
+    try:
+        redis.client.flushall()
+        result = run("gc", "--config", str(path), "--reindex")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["registry_restored"] == 1 and report["indexed"] == 3
+        assert sum(redis.client.zcard(k) for k in redis.client.scan_iter(match="tc:*:idx:*")) == 3
+    finally:
+        redis.close()
+
+
 def test_gc_and_stats_exit_3_when_redis_is_unreachable(tmp_path, s3_endpoint, bucket):
     path = tmp_path / "dead.yaml"
     dead = f"redis://127.0.0.1:{free_port()}/0"

@@ -331,3 +331,83 @@ def test_flush_of_an_unknown_namespace_is_empty(redis, redis_url, s3_endpoint, b
     report = flush_namespace(config, "nobody")
     assert report["deployments"] == [] and report["s3_objects_deleted"] == 0
     assert len(s3_keys(config)) == 1
+
+
+def refusals() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tiercache_gc_sweeps_refused_total") or 0.0
+
+
+def put_orphan(config, shape, h) -> None:
+    s3 = s3_tier(config)
+    try:
+        data = memoryview(h * (SLOT // len(h)))
+        assert s3.put(shape.key(h), data, shape.header(h, data))
+    finally:
+        s3.close()
+
+
+def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
+    redis, redis_url, s3_endpoint, bucket, caplog
+):
+    """Review fix: after a FLUSHALL every object looked orphaned and the sweep emptied
+    the bucket. It now refuses, and `reindex` rebuilds the index from the objects."""
+    config = make_config(redis_url, s3_endpoint, bucket)
+    hashes = blocks(30)
+    dep = store(config, hashes, tp=2)
+    assert run_gc(config)["errors"] == []  # a routine pass: it keeps a copy of the registry
+    # A corrupt object of the deployment and one of a deployment nobody registered.
+    s3 = s3_tier(config)
+    try:
+        bad = blocks(1)[0]
+        name = s3.object_name(key_of(dep, bad))
+        s3.client.put_object(Bucket=s3.bucket, Key=name, Body=b"\x00" * OBJECT)
+    finally:
+        s3.close()
+    stranger = ObjectShape(digest(), digest(), SLOT)
+    put_orphan(config, stranger, hashes[0])
+    objects = s3_keys(config)
+    assert len(objects) == 62
+
+    redis.client.flushall()  # no persistence, a failover to an empty replica...
+    before = refusals()
+    with caplog.at_level("WARNING", logger="tiercache.gc"):
+        report = run_gc(config, now=time.time() + 3600)
+    assert report["orphans"]["deleted"] == 0
+    assert report["orphans"]["refused"]
+    assert s3_keys(config) == objects
+    assert refusals() == before + 1
+    assert any("62" in r.getMessage() and "refus" in r.getMessage() for r in caplog.records)
+
+    from tiercache.gc import reindex
+
+    rebuilt = reindex(config)
+    assert rebuilt["errors"] == []
+    assert rebuilt["registry_restored"] == 1
+    assert rebuilt["indexed"] == 60
+    assert rebuilt["corrupt"] == 1
+    assert rebuilt["unregistered"] == 1
+    index = RedisIndex(redis)
+    assert [d.model_digest for d in index.deployments()] == [dep.model_digest]
+    assert index.longest_prefix(dep.model_digest, dep.rank_digests, hashes) == 30
+
+    # With the index back, the sweep takes the genuine orphans (and only those).
+    shape = ObjectShape(dep.model_digest, dep.rank_digests[0], SLOT)
+    orphan = blocks(1)[0]
+    put_orphan(config, shape, orphan)
+    swept = run_gc(config, now=time.time() + 3600)
+    assert not swept["orphans"]["refused"]
+    assert swept["orphans"]["deleted"] == 3  # the corrupt one, the stranger's, the new orphan
+    assert refusals() == before + 1
+    assert s3_keys(config) == {key_of(dep, h, rank) for h in hashes for rank in dep.rank_digests}
+
+
+def test_forced_sweep_deletes_what_the_guard_refused(redis, redis_url, s3_endpoint, bucket):
+    config = make_config(redis_url, s3_endpoint, bucket)
+    store(config, blocks(20))
+    redis.client.flushall()
+    assert run_gc(config, now=time.time() + 3600)["orphans"]["refused"]
+    forced = run_gc(config, now=time.time() + 3600, force_sweep=True)
+    assert forced["orphans"]["deleted"] == 20
+    assert s3_keys(config) == set()

@@ -174,13 +174,31 @@ def stats(
 def gc(
     config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG", help=CONFIG_HELP),
     sweep_orphans: bool = typer.Option(True, help="Also delete S3 objects with no index entry."),
+    force_sweep: bool = typer.Option(
+        False,
+        "--force-sweep",
+        help="Sweep even when most objects have no index entry (the sweep refuses then: "
+        "the index looks lost).",
+    ),
+    reindex: bool = typer.Option(
+        False,
+        "--reindex",
+        help="Instead of a pass, rebuild the index from the objects' headers (after Redis lost its "
+        "data): registered deployments' whole objects get their entries back.",
+    ),
 ) -> None:
     """One pass of the S3 garbage collector: keep each namespace under s3.capacity by
-    last access, never touching an object under a live read lease. Exit 3 if Redis or
-    S3 could not be reached."""
+    last access, never touching an object under a live read lease, then sweep objects
+    no index entry names (refused when that is most of the bucket). With --reindex,
+    rebuild the index from the objects instead. Exit 3 if Redis or S3 could not be
+    reached."""
+    from tiercache.gc import reindex as rebuild_index
     from tiercache.gc import run_gc
 
-    report = run_gc(_load(config), sweep_orphans=sweep_orphans)
+    if reindex:
+        report = rebuild_index(_load(config))
+    else:
+        report = run_gc(_load(config), sweep_orphans=sweep_orphans, force_sweep=force_sweep)
     console.print_json(data=report)
     if report.get("errors"):
         raise typer.Exit(EXIT_UNAVAILABLE)

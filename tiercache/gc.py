@@ -19,6 +19,15 @@ write failed, a GC pass that died between its two steps, a flushed namespace. Ob
 younger than a grace period are kept, since an upload's PUT lands before its index
 entry is written.
 
+Lost index. An index that lost its data (Redis without persistence, a failover to an
+empty replica, a wrong URL) makes every object look orphaned. So the sweep first
+counts, deleting nothing, and refuses (a warning naming the counts, and
+`tiercache_gc_sweeps_refused_total`) when more than half of the objects past the
+grace period have no entry, unless they are ORPHANS_ALWAYS_SWEPT or fewer. `reindex`
+(`tiercache gc --reindex`) then rebuilds the index from the objects' own headers,
+restoring the registry first from the copy each GC pass keeps in the bucket;
+`force_sweep` deletes them anyway.
+
 Known race, harmless: if a writer re-uploads a key between the GC's unindex and its
 delete, the fresh object goes with the delete while its new entry stays. The first
 reader then finds no object, and the engine drops the entry (a miss, never wrong
@@ -28,20 +37,23 @@ bytes).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import re
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tiercache.config import TierCacheConfig
 from tiercache.index import REGISTRY, Deployment, RedisIndex, index_key
 from tiercache.keys import object_key, split_key
 from tiercache.leases import Leases
+from tiercache.metrics import GC_SWEEPS_REFUSED
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.format import DATA_ALIGN, CorruptObject, ObjectHeader, decode_header, header_length
 from tiercache.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,13 @@ _MAX_ROUNDS = 1000
 # Objects checked against the index per Redis call, and deleted per S3 call.
 _SWEEP_BATCH = 1000
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
+# The sweep deletes at most this share of the objects past the grace period in one
+# pass: more than that unindexed means the index was lost, not that they are orphans...
+MAX_ORPHAN_SHARE = 0.5
+# ...unless they are this few (the leftovers of a flush, a few failed index writes).
+ORPHANS_ALWAYS_SWEPT = 16
+# The copy of the registry each GC pass keeps in the bucket (under s3.prefix), for reindex.
+REGISTRY_SNAPSHOT = "tiercache-registry.json"
 
 
 class GcBusy(Exception):
@@ -110,10 +129,12 @@ def run_gc(
     grace_seconds: float = DEFAULT_ORPHAN_GRACE,
     redis: GuardedRedis | None = None,
     s3: S3Tier | None = None,
+    force_sweep: bool = False,
 ) -> dict[str, Any]:
     """One GC pass: keep `config.namespace` under `s3.capacity` (when set), then sweep
     orphans older than `grace_seconds` (measured against `now`, epoch seconds, default
-    the current time). Returns a report; Redis or S3 failures are listed in its
+    the current time). The sweep refuses when the index looks lost (see the module's
+    doc) unless `force_sweep`. Returns a report; Redis or S3 failures are listed in its
     "errors" and end the pass early, without raising."""
     started = time.monotonic()
     now = time.time() if now is None else now
@@ -126,27 +147,41 @@ def run_gc(
         "evicted_bytes": 0,
         "skipped_leased": 0,
         "delete_failed": 0,
-        "orphans": {"scanned": 0, "too_young": 0, "deleted": 0, "delete_failed": 0},
+        "orphans": {
+            "scanned": 0,
+            "too_young": 0,
+            "found": 0,
+            "deleted": 0,
+            "delete_failed": 0,
+            "refused": None,
+        },
         "errors": [],
     }
     if config.s3 is None or config.redis_url is None:
         report["errors"].append("s3 is not configured: there is nothing to collect")
         return report
-    with _Resources(config, redis, s3) as res:
-        try:
-            deployments = registered_deployments(res.redis)
-            mine = [d for d in deployments if d.namespace == config.namespace]
-            _keep_under_capacity(res.redis, res.s3, config, mine, report)
-            if sweep_orphans:
-                _sweep_orphans(res.redis, res.s3, deployments, now - grace_seconds, report)
-        except RedisUnavailable as error:
-            report["errors"].append(f"redis unavailable: {type(error.__cause__ or error).__name__}")
-        except Exception as error:  # an S3 listing failure, mostly: report, don't crash the loop
-            if not _is_s3_error(error):
-                raise
-            report["errors"].append(f"s3 unavailable: {type(error).__name__}")
+    with _Resources(config, redis, s3) as res, _failures_reported(report):
+        deployments = registered_deployments(res.redis)
+        _save_registry_snapshot(res.s3, deployments)
+        mine = [d for d in deployments if d.namespace == config.namespace]
+        _keep_under_capacity(res.redis, res.s3, config, mine, report)
+        if sweep_orphans:
+            _sweep_orphans(res.redis, res.s3, deployments, now - grace_seconds, report, force_sweep)
     report["duration_seconds"] = round(time.monotonic() - started, 3)
     return report
+
+
+@contextlib.contextmanager
+def _failures_reported(report: dict[str, Any]) -> Iterator[None]:
+    """Redis or S3 failing ends the work early, listed in the report's "errors"."""
+    try:
+        yield
+    except RedisUnavailable as error:
+        report["errors"].append(f"redis unavailable: {type(error.__cause__ or error).__name__}")
+    except Exception as error:  # an S3 listing failure, mostly: report, don't crash the loop
+        if not _is_s3_error(error):
+            raise
+        report["errors"].append(f"s3 unavailable: {type(error).__name__}")
 
 
 def _is_s3_error(error: Exception) -> bool:
@@ -236,52 +271,100 @@ def _find_model(redis: GuardedRedis, rank: str) -> str | None:
     return redis.call("scan", scan)
 
 
+class _OrphanFinder:
+    """Which of a list of objects no index entry names. The deployment of a rank the
+    registry does not list is looked up once, by the name of its index."""
+
+    def __init__(self, redis: GuardedRedis, deployments: list[Deployment]):
+        self.redis = redis
+        self.model_of: dict[str, str | None] = {
+            rank: dep.model_digest for dep in deployments for rank in dep.rank_digests
+        }
+
+    def unindexed(self, keys: list[str]) -> list[str]:
+        by_rank: dict[str, list[str]] = defaultdict(list)
+        for key in keys:
+            rank, block = key.split("/")
+            by_rank[rank].append(block)
+        found: list[str] = []
+        for rank, blocks in by_rank.items():
+            if rank not in self.model_of:
+                self.model_of[rank] = _find_model(self.redis, rank)
+            model = self.model_of[rank]
+            if model is None:
+                found.extend(object_key(rank, block) for block in blocks)
+                continue
+            zkey = index_key(model, rank)
+            members = [bytes.fromhex(block) for block in blocks]
+            scores = self.redis.call(
+                "orphan_check", lambda k=zkey, m=members: self.redis.client.zmscore(k, m)
+            )
+            missing = [block for block, score in zip(blocks, scores, strict=True) if score is None]
+            found.extend(object_key(rank, block) for block in missing)
+        return found
+
+
+def _old_unindexed(
+    s3: S3Tier, finder: _OrphanFinder, cutoff: float, counts: dict[str, Any]
+) -> Iterator[list[str]]:
+    """Batch by batch, the objects older than `cutoff` that no index entry names;
+    what is listed is counted in `counts` ("scanned", "too_young")."""
+    batch: list[str] = []
+    for key, _size, modified in s3.list_objects():
+        counts["scanned"] += 1
+        if modified.timestamp() > cutoff:
+            counts["too_young"] += 1
+            continue
+        batch.append(key)
+        if len(batch) >= _SWEEP_BATCH:
+            yield finder.unindexed(batch)
+            batch = []
+    if batch:
+        yield finder.unindexed(batch)
+
+
 def _sweep_orphans(
     redis: GuardedRedis,
     s3: S3Tier,
     deployments: list[Deployment],
     cutoff: float,
     report: dict[str, Any],
+    force: bool = False,
 ) -> None:
     orphans = report["orphans"]
-    model_of: dict[str, str | None] = {
-        rank: dep.model_digest for dep in deployments for rank in dep.rank_digests
-    }
-    batch: list[str] = []
-
-    def check(keys: list[str]) -> None:
-        by_rank: dict[str, list[str]] = defaultdict(list)
-        for key in keys:
-            rank, block = key.split("/")
-            by_rank[rank].append(block)
-        doomed: list[str] = []
-        for rank, blocks in by_rank.items():
-            if rank not in model_of:
-                model_of[rank] = _find_model(redis, rank)
-            model = model_of[rank]
-            if model is None:
-                doomed.extend(object_key(rank, block) for block in blocks)
-                continue
-            zkey = index_key(model, rank)
-            members = [bytes.fromhex(block) for block in blocks]
-            scores = redis.call("orphan_check", lambda k=zkey, m=members: redis.client.zmscore(k, m))
-            missing = [block for block, score in zip(blocks, scores, strict=True) if score is None]
-            doomed.extend(object_key(rank, block) for block in missing)
-        deleted, failed = delete_objects(s3, doomed)
+    finder = _OrphanFinder(redis, deployments)
+    # Count first, deleting nothing: whether the index can be trusted is known only
+    # once the whole bucket has been compared with it.
+    for found in _old_unindexed(s3, finder, cutoff, orphans):
+        orphans["found"] += len(found)
+    old = orphans["scanned"] - orphans["too_young"]
+    if not orphans["found"]:
+        return
+    if not force and _index_looks_lost(orphans["found"], old):
+        _refuse_sweep(orphans, old)
+        return
+    # Listed and checked again: an entry written since the count keeps its object.
+    for found in _old_unindexed(s3, finder, cutoff, {"scanned": 0, "too_young": 0}):
+        deleted, failed = delete_objects(s3, found)
         orphans["deleted"] += deleted
         orphans["delete_failed"] += failed
 
-    for key, _size, modified in s3.list_objects():
-        orphans["scanned"] += 1
-        if modified.timestamp() > cutoff:
-            orphans["too_young"] += 1
-            continue
-        batch.append(key)
-        if len(batch) >= _SWEEP_BATCH:
-            check(batch)
-            batch = []
-    if batch:
-        check(batch)
+
+def _index_looks_lost(unindexed: int, old: int) -> bool:
+    return unindexed > ORPHANS_ALWAYS_SWEPT and unindexed > MAX_ORPHAN_SHARE * old
+
+
+def _refuse_sweep(orphans: dict[str, Any], old: int) -> None:
+    message = (
+        f"orphan sweep refused: {orphans['found']} of the {old} S3 objects past the grace "
+        f"period have no index entry (more than {MAX_ORPHAN_SHARE:.0%}), so the index looks "
+        "lost (Redis without persistence, a failover to an empty replica, a wrong redis_url); "
+        "nothing was deleted. Rebuild the index with `tiercache gc --reindex`, or delete them "
+        "anyway with `tiercache gc --force-sweep`"
+    )
+    log.warning("%s", message)
+    GC_SWEEPS_REFUSED.inc()
+    orphans["refused"] = message
 
 
 def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
@@ -303,6 +386,174 @@ def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
         failed += errors
         deleted += len(chunk) - errors
     return deleted, failed
+
+
+# -- the registry's copy in the bucket, and rebuilding the index from the objects ----
+def _snapshot_name(s3: S3Tier) -> str:
+    return s3.config.prefix + REGISTRY_SNAPSHOT
+
+
+def _load_registry_snapshot(s3: S3Tier) -> dict[str, str]:
+    """The registry as the last GC pass saw it: model digest -> deployment JSON."""
+    from botocore.exceptions import ClientError
+
+    try:
+        body = s3.client.get_object(Bucket=s3.bucket, Key=_snapshot_name(s3))["Body"].read()
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return {}
+        raise
+    try:
+        snapshot = json.loads(body)
+    except ValueError:
+        log.warning("the registry's copy %s is not JSON; ignored", _snapshot_name(s3))
+        return {}
+    return snapshot if isinstance(snapshot, dict) else {}
+
+
+def _save_registry_snapshot(s3: S3Tier, deployments: list[Deployment]) -> None:
+    """Keep a copy of the registry in the bucket, rewritten only when it changed. An
+    empty registry is what a lost Redis looks like, so it never replaces a copy."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if not deployments:
+        return
+    snapshot = {dep.model_digest: dep.to_json() for dep in deployments}
+    try:
+        if _load_registry_snapshot(s3) != snapshot:
+            body = json.dumps(snapshot, sort_keys=True).encode()
+            s3.client.put_object(Bucket=s3.bucket, Key=_snapshot_name(s3), Body=body)
+    except (BotoCoreError, ClientError) as error:  # the pass itself does not need it
+        log.warning("could not save the registry's copy in S3: %s", type(error).__name__)
+
+
+def _restore_registry(redis: GuardedRedis, s3: S3Tier) -> int:
+    """Put back every deployment of the bucket's copy that the registry lacks."""
+    snapshot = _load_registry_snapshot(s3)
+    present = {
+        name.decode() if isinstance(name, bytes) else name
+        for name in redis.call("registry", lambda: redis.client.hkeys(REGISTRY))
+    }
+    restored = 0
+    for model_digest, value in snapshot.items():
+        if model_digest in present or not isinstance(value, str):
+            continue
+        redis.call("register", lambda d=model_digest, v=value: redis.client.hsetnx(REGISTRY, d, v))
+        restored += 1
+    return restored
+
+
+def read_object_header(s3: S3Tier, key: str) -> tuple[ObjectHeader, int]:
+    """An object's safetensors header, and where its pages start, from ranged GETs
+    (one when the header fits its usual 4 KiB). Raises CorruptObject."""
+    name = s3.object_name(key)
+    head = _ranged_get(s3, name, 0, DATA_ALIGN)
+    end = 8 + header_length(head)
+    if end > len(head):
+        head += _ranged_get(s3, name, len(head), end)
+    if end > len(head):
+        raise CorruptObject(f"object shorter than its {end}-byte header")
+    return decode_header(head[8:end]), end
+
+
+def _ranged_get(s3: S3Tier, name: str, start: int, stop: int) -> bytes:
+    response = s3.client.get_object(Bucket=s3.bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
+    return response["Body"].read()
+
+
+def _check_object(s3: S3Tier, key: str, size: int) -> str:
+    """"ok" when the object's header is whole and names this very key, rank and size;
+    otherwise "corrupt", or "vanished" when it was deleted since it was listed."""
+    from botocore.exceptions import ClientError
+
+    try:
+        header, data_offset = read_object_header(s3, key)
+    except CorruptObject:
+        return "corrupt"
+    except ClientError as error:
+        code = error.response.get("Error", {}).get("Code")
+        if code in ("NoSuchKey", "404"):
+            return "vanished"
+        if code == "InvalidRange":  # an empty object
+            return "corrupt"
+        raise
+    rank = key.split("/")[0]
+    matches = header.key == key and header.namespace_digest == rank and data_offset + header.nbytes == size
+    return "ok" if matches else "corrupt"
+
+
+def reindex(
+    config: TierCacheConfig,
+    *,
+    redis: GuardedRedis | None = None,
+    s3: S3Tier | None = None,
+) -> dict[str, Any]:
+    """Rebuild the S3 tier's index from the objects, after Redis lost it.
+
+    The registry is restored first from the copy GC passes keep in the bucket. Then
+    each object of a registered deployment's rank, of that deployment's object size,
+    has its safetensors header read (ranged GETs, in parallel); an object whose header
+    is whole and names its own key and rank gets its index entry back, scored with its
+    last-modified time (an entry still present keeps its score). Corrupt objects and
+    those of unregistered deployments are counted and left for the sweep; the pages'
+    checksum is checked on the first read, as always. Failures are listed in "errors"."""
+    report: dict[str, Any] = {
+        "registry_restored": 0,
+        "scanned": 0,
+        "indexed": 0,
+        "already_indexed": 0,
+        "corrupt": 0,
+        "vanished": 0,
+        "unregistered": 0,
+        "errors": [],
+    }
+    if config.s3 is None or config.redis_url is None:
+        report["errors"].append("s3 is not configured: there is nothing to index")
+        return report
+    with _Resources(config, redis, s3) as res, _failures_reported(report):
+        report["registry_restored"] = _restore_registry(res.redis, res.s3)
+        deployments = registered_deployments(res.redis)
+        _reindex_objects(res.redis, res.s3, deployments, report)
+    return report
+
+
+def _reindex_objects(
+    redis: GuardedRedis, s3: S3Tier, deployments: list[Deployment], report: dict[str, Any]
+) -> None:
+    deployment_of = {rank: dep for dep in deployments for rank in dep.rank_digests}
+    batch: list[tuple[str, int, float, str]] = []
+    for key, size, modified in s3.list_objects():
+        report["scanned"] += 1
+        dep = deployment_of.get(key.split("/")[0])
+        if dep is None:
+            report["unregistered"] += 1
+            continue
+        if size != dep.object_bytes:
+            report["corrupt"] += 1
+            continue
+        batch.append((key, size, modified.timestamp(), dep.model_digest))
+        if len(batch) >= _SWEEP_BATCH:
+            _reindex_batch(redis, s3, batch, report)
+            batch = []
+    if batch:
+        _reindex_batch(redis, s3, batch, report)
+
+
+def _reindex_batch(
+    redis: GuardedRedis, s3: S3Tier, batch: list[tuple[str, int, float, str]], report: dict[str, Any]
+) -> None:
+    outcomes = s3.pool.map(lambda item: _check_object(s3, item[0], item[1]), batch)
+    entries: dict[str, dict[bytes, float]] = defaultdict(dict)  # index key -> member -> score
+    for (key, _size, modified, model), outcome in zip(batch, outcomes, strict=True):
+        if outcome != "ok":
+            report[outcome] += 1
+            continue
+        rank, block = key.split("/")
+        entries[index_key(model, rank)][bytes.fromhex(block)] = modified
+    for zkey, members in entries.items():
+        added = int(redis.call("reindex", lambda k=zkey, m=members: redis.client.zadd(k, m, nx=True)))
+        report["indexed"] += added
+        report["already_indexed"] += len(members) - added
 
 
 def _leased_blocks(redis: GuardedRedis, model_digest: str) -> set[tuple[str, str]]:

@@ -25,6 +25,10 @@ MOVER_QUEUE = Gauge("tiercache_mover_queue_depth", "Writes queued for a tier", [
 LOOKUP_BLOCKS = Counter("tiercache_lookup_blocks", "Blocks asked for in prefix lookups")
 LOOKUP_HITS = Counter("tiercache_lookup_hits", "Blocks found in prefix lookups", ["tier"])
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
+GC_SWEEPS_REFUSED = Counter(
+    "tiercache_gc_sweeps_refused",
+    "Orphan sweeps refused because the index looked lost (far fewer entries than objects)",
+)
 
 
 class timed:
