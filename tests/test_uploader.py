@@ -18,7 +18,15 @@ from tiercache.tiers.cpu import CpuBuffer, shm_room
 
 @pytest.fixture
 def engine(tmp_path, redis_url, s3_endpoint, bucket):
-    config = make_config(tmp_path, redis_url=redis_url, s3_endpoint=s3_endpoint, bucket=bucket, slots=4)
+    # Every slot may be held by an upload here: these tests fill all four at once.
+    config = make_config(
+        tmp_path,
+        redis_url=redis_url,
+        s3_endpoint=s3_endpoint,
+        bucket=bucket,
+        slots=4,
+        movers={"upload_slot_share": 1.0},
+    )
     buffer = CpuBuffer(4, BLOCK, pin_memory=False, shared=True)
     assert buffer.shared_name is not None, "this machine's /dev/shm has no room for 256 KiB"
     made = TierEngine(config, new_shape(), buffer)

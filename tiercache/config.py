@@ -152,6 +152,13 @@ class MoverConfig(_Strict):
         default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
     )
     shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
+    upload_slot_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="the most of the CPU tier's slots that S3 uploads may hold at once; past it a "
+        "store goes to disk only (counted as a dropped S3 write), so a slow S3 cannot pin the tier",
+    )
     upload_process: bool = Field(
         default=True,
         description="in a vLLM worker on a host without CUDA, upload to S3 from a process of its own, "

@@ -146,6 +146,17 @@ class TierEngine:
         self._movers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
         )
+        # S3 uploads run on threads of their own, so that a slow S3 never holds up the
+        # disk writes queued behind it, nor the slots those writes free.
+        self._uploaders = ThreadPoolExecutor(
+            movers.workers, thread_name_prefix="tiercache-upload", initializer=background_thread
+        )
+        # An upload reads its block from the CPU slot (so does the upload process), so
+        # the slot stays pinned until S3 answers. At most this many slots are held that
+        # way: past it a block goes to disk only, and a slow S3 cannot pin the whole
+        # tier and make the scheduler drop stores.
+        self.upload_slot_limit = max(1, int(buffer.num_slots * movers.upload_slot_share))
+        self._upload_slots = 0
         self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
         # A request waits on its disk reads, so they run in parallel on any core, at
         # normal priority (62 objects of a 2000-token hit on 2 cores: about 85 ms in one
@@ -179,7 +190,11 @@ class TierEngine:
     ) -> bool:
         """Queue a copy of the block (slot `slot` of the buffer, or `data`) to the lower
         tiers. False if the queue is full: the write is dropped and on_done is called
-        with nothing stored. The slot must stay unchanged until on_done runs."""
+        with nothing stored. The slot must stay unchanged until on_done runs.
+
+        When `upload_slot_limit` slots are already held for S3 uploads, a block from a
+        slot goes to disk only: its S3 write is dropped, counted, and reported as not
+        stored."""
         result = WriteResult(block_hash, slot)
         tiers = tuple(
             t for t in tiers if (t == DISK and self.disk is not None) or (t == S3 and self.s3 is not None)
@@ -189,41 +204,66 @@ class TierEngine:
             return True
         with self._queue_lock:
             if self._closed or self._queued >= self._queue_limit:
-                for tier in tiers:
-                    MOVER_DROPPED.labels(tier).inc()
-                full = True
+                dropped, tiers = tiers, ()
+            elif S3 in tiers and slot is not None and self._upload_slots >= self.upload_slot_limit:
+                dropped, tiers = (S3,), tuple(t for t in tiers if t != S3)
+                result.stored[S3] = False
             else:
+                dropped = ()
+            if tiers:
                 self._queued += 1
                 MOVER_QUEUE.labels("down").set(self._queued)
-                full = False
-        if full:
+                if S3 in tiers and slot is not None:
+                    self._upload_slots += 1
+        for tier in dropped:
+            MOVER_DROPPED.labels(tier).inc()
+        if not tiers:
             on_done(result)
             return False
         self._movers.submit(self._write_task, result, data, tiers, on_done)
         return True
 
     def _write_task(self, result, data, tiers, on_done) -> None:
+        upload = None
         try:
             view = memoryview(data) if data is not None else self.buffer.view(result.slot)
             header = self.shape.header(result.block_hash, view)
             if DISK in tiers:
                 result.stored[DISK] = self.disk.put(header.key, view, header)
             if S3 in tiers:
-                if self.uploads is not None:
-                    result.stored[S3] = self.uploads.upload(result.block_hash, result.slot, data, header)
-                else:
-                    result.stored[S3] = self._upload(result.block_hash, view, header)
+                upload = (view, header)
         except Exception:  # a mover must survive anything a tier throws
             log.exception("write of block %s failed", result.block_hash.hex())
-        finally:
+        if upload is not None:
             try:
-                on_done(result)
-            finally:
-                with self._queue_lock:
-                    self._queued -= 1
-                    MOVER_QUEUE.labels("down").set(self._queued)
-                    if self._queued == 0:
-                        self._idle.notify_all()
+                self._uploaders.submit(self._upload_task, result, data, *upload, on_done)
+                return
+            except RuntimeError:  # shut down by a close that gave up flushing
+                pass
+        self._write_ended(result, tiers, on_done)
+
+    def _upload_task(self, result, data, view, header, on_done) -> None:
+        try:
+            if self.uploads is not None:
+                result.stored[S3] = self.uploads.upload(result.block_hash, result.slot, data, header)
+            else:
+                result.stored[S3] = self._upload(result.block_hash, view, header)
+        except Exception:  # an uploader must survive anything a tier throws
+            log.exception("upload of block %s failed", result.block_hash.hex())
+        finally:
+            self._write_ended(result, (S3,), on_done)
+
+    def _write_ended(self, result: WriteResult, tiers: tuple[str, ...], on_done) -> None:
+        try:
+            on_done(result)
+        finally:
+            with self._queue_lock:
+                self._queued -= 1
+                MOVER_QUEUE.labels("down").set(self._queued)
+                if S3 in tiers and result.slot is not None:
+                    self._upload_slots -= 1
+                if self._queued == 0:
+                    self._idle.notify_all()
 
     def _upload(self, block_hash: bytes, view: memoryview, header: ObjectHeader) -> bool:
         """Upload from this process (see S3Writer)."""
@@ -310,6 +350,7 @@ class TierEngine:
                 self.config.movers.shutdown_flush_seconds,
             )
         self._movers.shutdown(wait=flushed, cancel_futures=not flushed)
+        self._uploaders.shutdown(wait=flushed, cancel_futures=not flushed)
         self._stagers.shutdown(wait=False, cancel_futures=True)
         self._disk_readers.shutdown(wait=False, cancel_futures=True)
         if self.uploads is not None:

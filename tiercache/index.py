@@ -139,7 +139,10 @@ class RedisIndex:
         width = len(block_hashes[0])
         script = self.redis.script(_LOOKUP)
         args = [repr(time.time()), "1" if touch else "0", width, b"".join(block_hashes)]
-        found = int(self.redis.call("lookup", lambda: script(keys=keys, args=args)))
+        # On the scheduler's path: a slow answer counts as a failure, so a slow Redis
+        # costs one slow lookup and then none while the breaker is open.
+        bound = self.redis.settings.socket_timeout
+        found = int(self.redis.call("lookup", lambda: script(keys=keys, args=args), slow_after=bound))
         if found:
             LOOKUP_HITS.labels("s3").inc(found)
         return found

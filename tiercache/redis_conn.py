@@ -12,8 +12,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 
 from tiercache.config import RedisConfig, redact_url
 from tiercache.metrics import INDEX_ERRORS
@@ -30,6 +32,10 @@ def connect(url: str, settings: RedisConfig):
     common = {
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.connect_timeout,
+        # No retries inside the client: redis-py's default (10, with backoff up to a
+        # second) turns one timed-out call into seconds of waiting. A failed call is a
+        # miss, and the breaker below is the retry.
+        "retry": Retry(NoBackoff(), 0),
     }
     if url.startswith("rediss") and settings.ssl_ca_certs:
         common["ssl_ca_certs"] = str(settings.ssl_ca_certs)
@@ -79,32 +85,26 @@ class GuardedRedis:
             script = self._scripts[source] = client.register_script(source)
         return script
 
-    def call(self, op: str, fn: Callable[[], T]) -> T:
+    def call(self, op: str, fn: Callable[[], T], slow_after: float | None = None) -> T:
         """Run `fn` against Redis, or raise RedisUnavailable without waiting when the
-        breaker is open."""
+        breaker is open. A call that answers, but after `slow_after` seconds, returns
+        its answer and opens the breaker as a failure would: each socket read is
+        bounded by the socket timeout, but a Redis that answers every read just in
+        time would otherwise cost every call several of them."""
         if not self.available:
             raise RedisUnavailable(f"redis {redact_url(self.url)} is in backoff")
+        started = time.monotonic()
         try:
             result = fn()
         except (redis.RedisError, RedisClusterException, RedisUnavailable, OSError) as error:
             # RedisClusterException (a slot no live node serves, no reachable node)
             # is not a RedisError.
-            INDEX_ERRORS.labels(op).inc()
-            with self._lock:
-                self._failures += 1
-                backoff = min(
-                    self.settings.retry_backoff * 2 ** (self._failures - 1),
-                    self.settings.max_backoff,
-                )
-                self._closed_until = time.monotonic() + backoff
-            if self._failures == 1:
-                log.warning(
-                    "redis %s unreachable (%s); shared lookups are misses for %.1fs",
-                    redact_url(self.url),
-                    type(error).__name__,
-                    backoff,
-                )
+            self._failed(op, type(error).__name__)
             raise RedisUnavailable(str(error)) from error
+        took = time.monotonic() - started
+        if slow_after is not None and took > slow_after:
+            self._failed(op, f"answered in {took:.2f}s")
+            return result
         if self._failures:
             with self._lock:
                 if self._failures:
@@ -112,6 +112,23 @@ class GuardedRedis:
                 self._failures = 0
                 self._closed_until = 0.0
         return result
+
+    def _failed(self, op: str, why: str) -> None:
+        INDEX_ERRORS.labels(op).inc()
+        with self._lock:
+            self._failures += 1
+            backoff = min(
+                self.settings.retry_backoff * 2 ** (self._failures - 1),
+                self.settings.max_backoff,
+            )
+            self._closed_until = time.monotonic() + backoff
+        if self._failures == 1:
+            log.warning(
+                "redis %s unreachable (%s); shared lookups are misses for %.1fs",
+                redact_url(self.url),
+                why,
+                backoff,
+            )
 
     def ping(self) -> bool:
         try:
