@@ -6,18 +6,24 @@ holder wrote is never served."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import struct
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiercache.config import ConfigError, S3TierConfig, build_config
+from tiercache.engine import DISK, S3, LocalTierCache, ObjectShape, TierEngine
+from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.format import CorruptObject, ObjectHeader, checksum, decode_header
+from tiercache.tiers.format import CorruptObject, ObjectHeader, checksum, decode_header, sign
+from tiercache.tiers.s3 import S3Tier
 
 SLOT = 8192
 
@@ -146,7 +152,7 @@ HEADERISH = st.fixed_dictionaries(
         | JSON_VALUES,
     },
 )
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
@@ -215,3 +221,189 @@ def test_an_existing_root_is_left_as_it_is_and_older_objects_are_made_private(tm
     assert mode(tmp_path) == 0o755
     assert (mode(path), mode(path.parent), mode(path.parent.parent)) == (0o600, 0o700, 0o700)
     assert tier.get_into(key, memoryview(bytearray(SLOT)))
+
+
+# -- an integrity key: objects no key holder wrote are never served ---------------------------
+
+KEY = "integrity-" + uuid.uuid4().hex + uuid.uuid4().hex
+OTHER_KEY = "integrity-" + uuid.uuid4().hex + uuid.uuid4().hex
+
+
+def forged(key: str, data: memoryview, mac_key: str | None) -> ObjectHeader:
+    """What anyone who can write to the bucket or the disk can make: a header with the
+    right plain checksum, unsigned or signed with a key of their own."""
+    header = plain_header(key, data)
+    return sign(header, data, mac_key.encode()) if mac_key else header
+
+
+@pytest.mark.parametrize("forger_key", [None, OTHER_KEY], ids=["unsigned", "wrong key"])
+def test_disk_refuses_an_object_no_key_holder_wrote(tmp_path, forger_key):
+    key, data = new_key(), payload(3)
+    DiskTier(tmp_path, 1 << 20).put(key, data, forged(key, data, forger_key))
+    reader = DiskTier(tmp_path, 1 << 20, integrity_key=KEY.encode())
+    assert reader.get_into(key, memoryview(bytearray(SLOT))) is False
+    assert not reader.path_of(key).exists()  # removed like any corrupt object
+
+    key = new_key()
+    reader.put(key, data, forged(key, data, KEY))
+    out = memoryview(bytearray(SLOT))
+    assert reader.get_into(key, out) and bytes(out) == bytes(data)
+
+
+def test_a_mac_covers_the_header_as_well_as_the_pages(tmp_path):
+    key, data = new_key(), payload(4)
+    signed = forged(key, data, KEY)
+    reader = DiskTier(tmp_path, 1 << 20, integrity_key=KEY.encode())
+    for altered in (replace(signed, layout="LBHNC"), replace(signed, checksum="0" * 16)):
+        reader.put(key, data, altered)
+        assert reader.get_into(key, memoryview(bytearray(SLOT))) is False
+    tampered = bytearray(data)
+    tampered[-1] ^= 1
+    reader.put(key, memoryview(tampered), replace(signed, checksum=checksum(tampered)))
+    assert reader.get_into(key, memoryview(bytearray(SLOT))) is False
+
+
+def test_inspect_checks_the_mac_given_the_key(tmp_path):
+    from rich.console import Console
+
+    from tiercache.inspect import inspect_file
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    signed, unsigned, data = new_key(), new_key(), payload(6)
+    tier.put(signed, data, forged(signed, data, KEY))
+    tier.put(unsigned, data, forged(unsigned, data, None))
+
+    def inspect(key: str, integrity_key: str | None) -> tuple[int, str]:
+        console = Console(record=True, width=200)
+        code = inspect_file(tier.path_of(key), console, integrity_key.encode() if integrity_key else None)
+        return code, console.export_text()
+
+    code, text = inspect(signed, KEY)
+    assert code == 0 and "MAC ok" in text
+    assert inspect(signed, None)[0] == 0  # without the key, the plain checksum as before
+    assert inspect(signed, OTHER_KEY)[0] == 1
+    code, text = inspect(unsigned, KEY)
+    assert code == 1 and "carries no MAC" in text
+
+
+@pytest.mark.parametrize("forger_key", [None, OTHER_KEY], ids=["unsigned", "wrong key"])
+def test_s3_refuses_an_object_no_key_holder_wrote(s3_endpoint, bucket, forger_key):
+    config = S3TierConfig(bucket=bucket, endpoint_url=s3_endpoint, region="us-east-1")
+    attacker, reader = S3Tier(config), S3Tier(config, integrity_key=KEY.encode())
+    try:
+        key, data = new_key(), payload(5)
+        assert attacker.put(key, data, forged(key, data, forger_key))
+        assert reader.get_into(key, memoryview(bytearray(SLOT))) is False
+        assert not reader.exists(key)  # removed like any corrupt object
+        assert attacker.put(key, data, forged(key, data, KEY))
+        out = memoryview(bytearray(SLOT))
+        assert reader.get_into(key, out) and bytes(out) == bytes(data)
+    finally:
+        attacker.close()
+        reader.close()
+
+
+def keyed_config(tmp_path, redis_url, s3_endpoint, bucket, integrity_key: str | None, disk: str | None):
+    data = {
+        "redis_url": redis_url,
+        "cpu": {"capacity": 4 * SLOT},
+        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
+    }
+    if disk:
+        data["disk"] = {"path": str(tmp_path / disk), "capacity": "16MiB"}
+    # The key comes from the environment, as a deployment's secret would.
+    return build_config(data, environ={"TIERCACHE_INTEGRITY_KEY": integrity_key} if integrity_key else {})
+
+
+def test_a_key_mismatch_between_writer_and_reader_is_a_miss(tmp_path, redis, redis_url, s3_endpoint, bucket):
+    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], SLOT)
+    blocks = [uuid.uuid4().bytes * 2 for _ in range(3)]
+
+    def cache(integrity_key, disk="disk"):
+        config = keyed_config(tmp_path, redis_url, s3_endpoint, bucket, integrity_key, disk)
+        return LocalTierCache(config, shape, pin_memory=False)
+
+    writer = cache(KEY)
+    for i, block in enumerate(blocks):
+        writer.put(block, payload(i))
+    assert writer.engine.flush(30)
+    writer.close()
+
+    for disk, tier in (("disk", DISK), (None, S3)):
+        reader = cache(KEY, disk)
+        try:
+            assert reader.get(blocks[0]) == (tier, payload(0))
+        finally:
+            reader.close()
+
+    stranger = cache(OTHER_KEY)
+    try:
+        assert [stranger.get(block) for block in blocks[1:]] == [None, None]  # neither tier served
+    finally:
+        stranger.close()
+    check = S3Tier(S3TierConfig(bucket=bucket, endpoint_url=s3_endpoint, region="us-east-1"))
+    assert not any(check.exists(shape.key(block)) for block in blocks[1:])  # removed as forged
+    check.close()
+
+
+def test_the_key_stays_out_of_repr_config_check_and_errors(tmp_path, capsys):
+    digits = "1234567890" * 4  # YAML would read an unquoted override as a number
+    config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY": digits})
+    assert config.integrity_key_bytes() == digits.encode()
+    config = build_config({"integrity_key": KEY}, environ={})
+    assert config.integrity_key_bytes() == KEY.encode()
+    assert KEY not in repr(config) + str(config) + json.dumps(config.redacted())
+
+    path = tmp_path / "tiercache.yaml"
+    path.write_text(f"integrity_key: {KEY}\n")
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    for args in (["config", "check", str(path)], ["config", "check", str(path), "--json"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0 and "integrity_key" in result.output
+        assert KEY not in result.output
+
+    short = "s3cr3t-" + uuid.uuid4().hex[:8]
+    with pytest.raises(ConfigError) as info:
+        build_config({"integrity_key": short}, environ={})
+    assert "integrity_key" in str(info.value) and short not in str(info.value)
+
+
+def test_the_upload_process_writes_signed_objects_and_never_sees_the_key(
+    tmp_path, redis, redis_url, s3_endpoint, bucket, monkeypatch, caplog, capfd
+):
+    """The worker signs each header; the upload process sends it as it came. The key
+    is in neither its command line, its environment, nor any log line."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("TIERCACHE_INTEGRITY_KEY", KEY)
+    config = keyed_config(tmp_path, redis_url, s3_endpoint, bucket, KEY, "disk")
+    buffer = CpuBuffer(4, SLOT, pin_memory=False, shared=True)
+    engine = TierEngine(config, ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], SLOT), buffer)
+    try:
+        assert engine.uploads is not None
+        results = []
+        for slot in range(2):
+            buffer.view(slot)[:] = payload(slot + 7)
+            engine.write_down(bytes([slot]) * 32, slot, results.append)
+        assert engine.flush(60)
+        assert [r.stored for r in results] == [{DISK: True, S3: True}] * 2
+        pid = engine.uploads.pid
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert KEY.encode() not in f.read()
+    finally:
+        engine.close()
+        buffer.close()
+    config_s3 = S3TierConfig(bucket=bucket, endpoint_url=s3_endpoint, region="us-east-1")
+    for reader_key, served in ((KEY, True), (None, True), (OTHER_KEY, False)):
+        reader = S3Tier(config_s3, integrity_key=reader_key.encode() if reader_key else None)
+        out = memoryview(bytearray(SLOT))
+        key = engine.shape.key(bytes([0]) * 32)
+        assert reader.get_into(key, out) is served, reader_key
+        assert not served or bytes(out) == bytes(payload(7))
+        reader.close()
+    output = capfd.readouterr()
+    assert KEY not in caplog.text + output.out + output.err

@@ -14,6 +14,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -166,7 +167,13 @@ class MoverConfig(_Strict):
     )
 
 
+INTEGRITY_KEY_MIN = 32
+
+
 class TierCacheConfig(_Strict):
+    # A refused value is never echoed in an error: it may be a secret (integrity_key).
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
     namespace: str = Field(default="default", min_length=1, max_length=128)
     redis_url: str | None = None
     cpu: CpuTierConfig = CpuTierConfig()
@@ -176,6 +183,13 @@ class TierCacheConfig(_Strict):
     movers: MoverConfig = MoverConfig()
     store_decode: bool = Field(default=False, description="also store blocks filled by decode")
     model_revision: str | None = Field(default=None, description="part of the namespace digest")
+    integrity_key: SecretStr | None = Field(
+        default=None,
+        description="a secret every writer and reader of the disk and S3 tiers shares: each object "
+        "carries an HMAC-SHA256 over its header and pages made with it, and an object without a "
+        "valid one is a miss. Unset, anyone who can write to the bucket (or the disk) can forge "
+        "an object that is served",
+    )
 
     @field_validator("namespace")
     @classmethod
@@ -194,6 +208,20 @@ class TierCacheConfig(_Strict):
             )
         return url
 
+    @field_validator("integrity_key")
+    @classmethod
+    def _integrity_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value()) < INTEGRITY_KEY_MIN:
+            raise ValueError(
+                f"integrity_key must be at least {INTEGRITY_KEY_MIN} characters "
+                "(for example the output of `openssl rand -hex 32`)"
+            )
+        return key
+
+    def integrity_key_bytes(self) -> bytes | None:
+        """The integrity key as the MAC takes it, or None when objects are unsigned."""
+        return self.integrity_key.get_secret_value().encode() if self.integrity_key else None
+
     @model_validator(mode="after")
     def _s3_needs_redis(self) -> TierCacheConfig:
         if self.s3 is not None and self.redis_url is None:
@@ -204,7 +232,8 @@ class TierCacheConfig(_Strict):
         return self
 
     def redacted(self) -> dict[str, Any]:
-        """The resolved config as plain data, with any password in redis_url hidden."""
+        """The resolved config as plain data, with any password in redis_url hidden
+        (and integrity_key, a SecretStr, dumped as asterisks)."""
         data = self.model_dump(mode="json")
         if data.get("redis_url"):
             data["redis_url"] = redact_url(data["redis_url"])
@@ -257,6 +286,9 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
         node = overrides
         for part in path[:-1]:
             node = node.setdefault(part, {})
+        if name in _VERBATIM_ENV:
+            node[path[-1]] = raw
+            continue
         value = yaml.safe_load(raw) if raw.strip() else None
         node[path[-1]] = raw if isinstance(value, (dict, list)) else value
     return overrides
@@ -264,6 +296,8 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
 
 # Environment variables that configure the process, not the cache.
 _NOT_CONFIG_ENV = {"TIERCACHE_ADMIN_TOKEN", "TIERCACHE_CONFIG", "TIERCACHE_LOG_LEVEL"}
+# Secrets taken as written: YAML would turn a key of digits into a number.
+_VERBATIM_ENV = {"TIERCACHE_INTEGRITY_KEY"}
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

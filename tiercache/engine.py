@@ -26,7 +26,7 @@ from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.format import ObjectHeader, PageShape, checksum
+from tiercache.tiers.format import ObjectHeader, PageShape, checksum, sign
 from tiercache.tiers.s3 import Fetch, S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
 
@@ -49,8 +49,9 @@ class ObjectShape:
     def key(self, block_hash: bytes) -> str:
         return f"{self.rank_digest}/{block_hash.hex()}"
 
-    def header(self, block_hash: bytes, data: memoryview) -> ObjectHeader:
-        return ObjectHeader(
+    def header(self, block_hash: bytes, data: memoryview, integrity_key: bytes | None = None) -> ObjectHeader:
+        """The header of the object holding `data`, signed when given an integrity key."""
+        plain = ObjectHeader(
             key=self.key(block_hash),
             namespace_digest=self.rank_digest,
             nbytes=len(data),
@@ -59,6 +60,7 @@ class ObjectShape:
             dtype=self.dtype,
             shapes=self.shapes,
         )
+        return sign(plain, data, integrity_key)
 
     @property
     def pages(self) -> PageShape:
@@ -97,6 +99,8 @@ class TierEngine:
         self.config = config
         self.shape = shape
         self.buffer = buffer
+        # Signs every object this engine writes; its tiers serve only objects it signed.
+        self._integrity_key = config.integrity_key_bytes()
         self.disk: DiskTier | None = None
         if config.disk is not None:
             self.disk = DiskTier(
@@ -104,6 +108,7 @@ class TierEngine:
                 disk_capacity or config.disk.capacity,
                 o_direct=config.disk.o_direct,
                 fsync=config.disk.fsync,
+                integrity_key=self._integrity_key,
                 on_remove=on_disk_remove,
                 digest=shape.rank_digest,
             )
@@ -116,7 +121,9 @@ class TierEngine:
             if self.redis
             else None
         )
-        self.s3 = s3 if s3 is not None else (S3Tier(config.s3) if config.s3 else None)
+        self.s3 = s3
+        if s3 is None and config.s3 is not None:
+            self.s3 = S3Tier(config.s3, integrity_key=self._integrity_key)
         self.s3_writer: S3Writer | None = None
         self.uploads: UploadProcess | None = None
         if self.s3 is not None and self.leases is not None:
@@ -227,7 +234,7 @@ class TierEngine:
         upload = None
         try:
             view = memoryview(data) if data is not None else self.buffer.view(result.slot)
-            header = self.shape.header(result.block_hash, view)
+            header = self.shape.header(result.block_hash, view, self._integrity_key)
             if DISK in tiers:
                 result.stored[DISK] = self.disk.put(header.key, view, header)
             if S3 in tiers:

@@ -1,7 +1,8 @@
 """`tiercache inspect`: what a stored object is, and where a key lives.
 
 A file: its safetensors header (opened with `safetensors`, nothing unpickled) and the
-tiercache metadata, with the payload checked against the header's checksum.
+tiercache metadata, with the payload checked against the header's checksum (and its
+MAC, when the config sets an integrity key).
 Exit 0 when intact, 1 when corrupt, truncated or not a tiercache object.
 
 A key ('<16 hex rank digest>/<block hash hex>'), with a config: whether this node's
@@ -24,8 +25,10 @@ from tiercache.tiers.format import (
     TENSOR_NAME,
     CorruptObject,
     ObjectHeader,
+    check_mac,
     decode_header,
     header_length,
+    object_mac,
 )
 
 EXIT_OK = 0
@@ -39,7 +42,7 @@ _READ_CHUNK = 8 * 2**20
 def inspect_target(target: str, config: TierCacheConfig | None, console: Console) -> int:
     path = Path(target)
     if path.is_file():
-        return inspect_file(path, console)
+        return inspect_file(path, console, config.integrity_key_bytes() if config else None)
     if HEX_KEY.match(target):
         if config is None:
             console.print(
@@ -68,25 +71,31 @@ def read_object_header(path: Path) -> tuple[ObjectHeader, int]:
     return decode_header(raw), 8 + length
 
 
-def verify_file(path: Path, header: ObjectHeader, offset: int) -> str:
-    """Checksum the payload; raises CorruptObject when it is short, long or altered."""
+def verify_file(path: Path, header: ObjectHeader, offset: int, integrity_key: bytes | None = None) -> str:
+    """Checksum the payload (and check the MAC, given the integrity key); raises
+    CorruptObject when it is short, long, altered, or not signed with that key."""
     size = path.stat().st_size
     if size != offset + header.nbytes:
         raise CorruptObject(f"file holds {size - offset} payload bytes, its header says {header.nbytes}")
     import xxhash
 
     digest = xxhash.xxh3_64()
+    mac = object_mac(integrity_key, header) if integrity_key is not None else None
     with open(path, "rb") as f:
         f.seek(offset)
         while chunk := f.read(_READ_CHUNK):
             digest.update(chunk)
+            if mac is not None:
+                mac.update(chunk)
     actual = digest.hexdigest()
     if actual != header.checksum:
         raise CorruptObject(f"checksum mismatch: payload {actual}, header {header.checksum}")
+    if mac is not None:
+        check_mac(header, mac.hexdigest())
     return actual
 
 
-def inspect_file(path: Path, console: Console) -> int:
+def inspect_file(path: Path, console: Console, integrity_key: bytes | None = None) -> int:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -115,16 +124,17 @@ def inspect_file(path: Path, console: Console) -> int:
     table.add_row("shapes", header.shapes or "-")
     table.add_row("tensors", ", ".join(f"{name} {shape}" for name, shape in tensors.items()))
     table.add_row("checksum (xxh3-64)", header.checksum)
+    table.add_row("MAC (HMAC-SHA256)", header.mac or "-")
     console.print(table)
     if TENSOR_NAME not in tensors:
         console.print(f"[red]corrupt: no {TENSOR_NAME!r} tensor[/red]")
         return EXIT_CORRUPT
     try:
-        verify_file(path, header, offset)
+        verify_file(path, header, offset, integrity_key)
     except CorruptObject as error:
         console.print(f"[red]corrupt: {error}[/red]")
         return EXIT_CORRUPT
-    console.print("[green]checksum ok[/green]")
+    console.print("[green]checksum ok[/green]" + (", [green]MAC ok[/green]" if integrity_key else ""))
     return EXIT_OK
 
 
@@ -138,7 +148,7 @@ def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
         header, offset = read_object_header(path)
         if header.key != key:
             raise CorruptObject(f"holds key {header.key}")
-        verify_file(path, header, offset)
+        verify_file(path, header, offset, config.integrity_key_bytes())
     except (CorruptObject, OSError) as error:
         return f"[red]present but corrupt: {error}[/red] ({path})", False
     return f"[green]present[/green], {os.path.getsize(path)} bytes, checksum ok ({path})", True

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
 from tiercache.config import TierCacheConfig
@@ -48,11 +48,14 @@ SHM_DIR = "/dev/shm"
 # them would bind itself to the model's first core, undoing where it was placed (seen
 # inside vLLM: every upload thread was allowed on the model's core only).
 OPENMP_BINDING_ENV = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+# The worker signs each object's header before sending it here, so this process never
+# needs the integrity key: it gets it neither in its environment nor in its setup.
+SECRET_ENV = ("TIERCACHE_INTEGRITY_KEY",)
 
 
 def child_env() -> dict[str, str]:
-    """This process's environment without the OpenMP thread binding."""
-    return {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING_ENV}
+    """This process's environment without the OpenMP thread binding or secrets."""
+    return {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING_ENV + SECRET_ENV}
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class UploadProcess:
     interpreter lock) until the process answers."""
 
     def __init__(self, setup: UploadSetup):
-        self.setup = setup
+        self.setup = replace(setup, config=setup.config.model_copy(update={"integrity_key": None}))
         s3 = setup.config.s3
         # Longest an answer can take: the wait for another writer's lease, then a
         # PUT with every retry.

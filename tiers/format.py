@@ -1,6 +1,7 @@
 """The on-disk and in-S3 object format: a safetensors file holding one block's raw
 pages as a single U8 tensor named "kv", with a metadata header that says what the
-bytes are (namespace digest, key, layout, dtype, shapes, checksum).
+bytes are (namespace digest, key, layout, dtype, shapes, checksum), and with an
+integrity key configured, a MAC over all of it.
 
 Anyone can open an object with `safetensors.safe_open`; nothing is unpickled. The
 header is padded so the pages start on a 4 KiB boundary, which lets reads and
@@ -8,9 +9,11 @@ O_DIRECT writes move the pages straight between a CPU slot and the file."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 
@@ -18,6 +21,9 @@ FORMAT_VERSION = "1"
 DATA_ALIGN = 4096
 TENSOR_NAME = "kv"
 _LEN = struct.Struct("<Q")
+MAC_FIELD = "mac_hmac_sha256"
+# Names what a MAC is over, so it cannot be taken for a MAC over anything else.
+_MAC_DOMAIN = "tiercache-object-mac-v1"
 
 
 class CorruptObject(Exception):
@@ -37,6 +43,7 @@ class ObjectHeader:
     layout: str = ""
     dtype: str = ""
     shapes: str = ""
+    mac: str = ""  # HMAC-SHA256 over signed_fields() and the pages; "" when unsigned
 
     def encode(self) -> bytes:
         """The safetensors preamble (length + JSON), padded so the data is aligned."""
@@ -50,6 +57,8 @@ class ObjectHeader:
             "dtype": self.dtype,
             "shapes": self.shapes,
         }
+        if self.mac:
+            meta[MAC_FIELD] = self.mac
         header = {
             "__metadata__": meta,
             TENSOR_NAME: {"dtype": "U8", "shape": [self.nbytes], "data_offsets": [0, self.nbytes]},
@@ -64,6 +73,13 @@ class ObjectHeader:
     @property
     def data_offset(self) -> int:
         return len(self.encode())
+
+    def signed_fields(self) -> bytes:
+        """Every field a reader acts on, length-prefixed, for the MAC to start with."""
+        fields = [_MAC_DOMAIN, FORMAT_VERSION, self.key, self.namespace_digest, self.nbytes]
+        fields += [self.checksum, self.layout, self.dtype, self.shapes]
+        text = json.dumps(fields, separators=(",", ":")).encode()
+        return _LEN.pack(len(text)) + text
 
 
 def header_length(prefix: bytes) -> int:
@@ -106,6 +122,7 @@ def decode_header(raw: bytes) -> ObjectHeader:
         layout=_member(meta, "layout", str, default=""),
         dtype=_member(meta, "dtype", str, default=""),
         shapes=_member(meta, "shapes", str, default=""),
+        mac=_member(meta, MAC_FIELD, str, default=""),
     )
 
 
@@ -151,8 +168,43 @@ class PageShape:
                 raise CorruptObject(f"object {header.key} holds {name} {have!r}, expected {want!r}")
 
 
-def verify(header: ObjectHeader, data: memoryview) -> None:
-    check_digest(header, checksum(data))
+def object_mac(integrity_key: bytes, header: ObjectHeader) -> hmac.HMAC:
+    """A MAC started over the header's fields: feed it the pages, in one or more
+    pieces, then give its hexdigest to check_mac (or to sign)."""
+    mac = hmac.new(integrity_key, digestmod=hashlib.sha256)
+    mac.update(header.signed_fields())
+    return mac
+
+
+def sign(header: ObjectHeader, data: memoryview | bytes, integrity_key: bytes | None) -> ObjectHeader:
+    """The header with its MAC over itself and `data`; unchanged without a key.
+    HMAC-SHA256 rather than keyed BLAKE2b: with the CPU's SHA extensions OpenSSL's
+    runs about three times as fast (1.7 against 0.6 GiB/s here)."""
+    if integrity_key is None:
+        return header
+    mac = object_mac(integrity_key, header)
+    mac.update(data)
+    return replace(header, mac=mac.hexdigest())
+
+
+def verify(header: ObjectHeader, data: memoryview, integrity_key: bytes | None = None) -> None:
+    """Check the pages against the header: with a key, the MAC alone, which covers
+    the pages and the header's checksum as well, so they are hashed once, not twice;
+    without one, the plain checksum (which anyone who can write an object can forge)."""
+    if integrity_key is None:
+        check_digest(header, checksum(data))
+        return
+    mac = object_mac(integrity_key, header)
+    mac.update(data)
+    check_mac(header, mac.hexdigest())
+
+
+def check_mac(header: ObjectHeader, actual: str) -> None:
+    if not header.mac:
+        raise CorruptObject(f"object {header.key} carries no MAC, and an integrity key is set")
+    # As bytes: compare_digest refuses str with non-ASCII, and a header may hold any.
+    if not hmac.compare_digest(actual.encode(), header.mac.encode()):
+        raise CorruptObject(f"MAC mismatch for {header.key}: written without this integrity key")
 
 
 def check_digest(header: ObjectHeader, actual: str) -> None:

@@ -63,8 +63,11 @@ def make_client(config: S3TierConfig):
 
 
 class S3Tier:
-    def __init__(self, config: S3TierConfig, client=None):
+    def __init__(self, config: S3TierConfig, client=None, integrity_key: bytes | None = None):
+        """`integrity_key`: objects are served only if their MAC was made with it (see
+        format.sign); None checks the plain checksum, which any bucket writer can forge."""
         self.config = config
+        self.integrity_key = integrity_key
         self.bucket = config.bucket
         self.client = client or make_client(config)
         self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
@@ -118,7 +121,7 @@ class S3Tier:
                     _read_into(stream, out)
                 finally:
                     stream.close()
-                verify(header, out)
+                verify(header, out, self.integrity_key)
             return Fetch.OK
         except ClientError as error:
             if _code(error) in _MISSING:
