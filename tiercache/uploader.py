@@ -166,6 +166,7 @@ class UploadProcess:
                 return False
             op_id = next(self._ids)
             self._pending[op_id] = future
+            process = self._process
             try:
                 self._conn.send(("put", op_id, block_hash, slot, data, header))
             except OSError:
@@ -176,7 +177,15 @@ class UploadProcess:
         except TimeoutError:
             with self._lock:
                 self._pending.pop(op_id, None)
-            log.warning("tiercache: no answer from the upload process in %.0fs", self.answer_timeout)
+            log.warning(
+                "tiercache: no answer from the upload process in %.0fs; it is stopped and restarts "
+                "on a later upload",
+                self.answer_timeout,
+            )
+            # The caller reuses the slot once this returns, and the process may still be
+            # reading it: it goes for good first (its other uploads report "not stored").
+            process.kill()
+            process.wait()
             return False
 
     def close(self, timeout: float = 10.0) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -21,6 +23,11 @@ from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
 
 TIER = "cpu"
 ALIGN = 4096
+SHM_DIR = "/dev/shm"
+# Shared segments are named for their owner: tiercache-<pid namespace>-<pid>-<random>.
+# A process group SIGKILLed whole (its resource tracker with it) leaves its segment
+# behind, and the next buffer made on the host removes those whose owner is gone.
+_SEGMENT = re.compile(r"^tiercache-(\d+)-(\d+)-[0-9a-f]+$")
 
 
 class CpuTierFull(Exception):
@@ -156,9 +163,11 @@ class CpuBuffer:
         self.shared_name: str | None = None
         self._segment: shared_memory.SharedMemory | None = None
         nbytes = num_slots * slot_bytes
+        if shared and not pin_memory:
+            sweep_dead_segments()
         if shared and not pin_memory and shm_room() >= nbytes:
             # mmap'd, so already on a page boundary.
-            self._segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            self._segment = shared_memory.SharedMemory(name=segment_name(), create=True, size=nbytes)
             self.shared_name = self._segment.name
             self.tensor = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
             self.tensor = self.tensor.view(num_slots, slot_bytes)
@@ -183,7 +192,48 @@ class CpuBuffer:
             self._segment = None
 
 
-def shm_room(path: str = "/dev/shm") -> int:
+def _pid_namespace() -> int:
+    """This process's pid namespace: a pid means the same process only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_name() -> str:
+    return f"tiercache-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
+    """Remove the segments of owners that are gone (this pid namespace's only: a pid
+    from another means nothing here). Returns the names removed."""
+    namespace = str(_pid_namespace())
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT.match(name)
+        if match is None or match.group(1) != namespace or _alive(int(match.group(2))):
+            continue
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def shm_room(path: str = SHM_DIR) -> int:
     """Bytes free in the shared-memory filesystem (0 where there is none)."""
     try:
         stat = os.statvfs(path)
