@@ -14,16 +14,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.config import ConfigError, build_config
+from tiercache.engine import CPU, DISK, S3
 
 from .metadata import TierCacheMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
-from .stats import TierCachePromMetrics, TierCacheStats
+from .stats import GaugeReport, TierCachePromMetrics, TierCacheStats
 from .worker import TierCacheWorker
 
 log = logging.getLogger("tiercache.connector")
+
+_HIT_SOURCES = {
+    CPU: CacheHitSource.HOST,
+    DISK: CacheHitSource.DISK,
+    S3: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
 
 
 class _ToVllmLogs(logging.Handler):
@@ -73,6 +81,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             self.scheduler = TierCacheScheduler(
                 self.config, specs, kv_cache_config, worker_count=self.tp_size
             )
+            self._gauges = GaugeReport("scheduler")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -88,6 +97,18 @@ class TierCacheConnector(KVConnectorBase_V1):
                 writes_lower_tiers=len(specs) > 1 or rank == 0,
                 disk_share=disk_share,
             )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # On CUDA, hits are copied in layer by layer from `wait_for_layer_load` and
+        # stores copied out from `save_kv_layer`, each queuing work on the copy stream
+        # and event waits for the forward's stream. A full CUDA graph replay skips
+        # both hooks, so the forward would read layers not yet loaded. Whether the
+        # one-launch copy (and so the layer-by-layer path) works is known only once
+        # the KV caches are registered, long after vLLM picks the graph mode: ask for
+        # piecewise graphs always. On the CPU backend there are no CUDA graphs and
+        # vLLM never asks.
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -134,6 +155,11 @@ class TierCacheConnector(KVConnectorBase_V1):
         return self.worker.take_worker_meta() if self.worker is not None else None
 
     def get_kv_connector_stats(self):
+        if self.scheduler is not None:
+            # vLLM asks the scheduler side too, after each step's update.
+            stats = TierCacheStats()
+            self._gauges.add_to(stats, self.scheduler.gauges())
+            return None if stats.is_empty() else stats
         if self.worker is None:
             return None
         return self.worker.take_stats()
@@ -149,11 +175,21 @@ class TierCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        # vLLM's metrics know host memory and disk; S3 is a remote store, which vLLM
+        # files under "external_unspecified". A split that does not add up is left
+        # to vLLM's own fallback.
+        tiers = self.scheduler.hit_tiers(request.request_id, num_external_tokens)
+        return {_HIT_SOURCES[tier]: tokens for tier, tokens in tiers.items() if tokens}
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -36,21 +37,28 @@ class TierCacheMetadata(KVConnectorMetadata):
     idle: bool = False
 
 
-# Event kinds a worker reports. Each is keyed by (kind, value); the scheduler acts
-# on a success once every TP rank has reported it, on a failure at the first report.
-FILLED = "filled"  # block hash now in its CPU slot on this rank
-FILL_FAILED = "fill_failed"
-RELEASED = "released"  # this rank no longer reads or writes the slot
-ON_DISK = "on_disk"  # block hash written to this rank's disk tier
-OFF_DISK = "off_disk"  # block hash evicted or lost from this rank's disk tier
-FAILURES = frozenset({FILL_FAILED, OFF_DISK})
+# Event kinds a worker reports, each as (rank, kind, value) in the order the rank
+# made them. The scheduler acts on a success once every TP rank has reported it, on a
+# failure at the first report (see ledger.py).
+FILLED = "filled"  # value (block hash, slot): the block is now in that CPU slot on this rank
+FILL_FAILED = "fill_failed"  # value (block hash, slot)
+RELEASED = "released"  # value slot: this rank no longer reads or writes it (one pin)
+ON_DISK = "on_disk"  # value block hash: written to this rank's disk tier
+OFF_DISK = "off_disk"  # value block hash: evicted or lost from this rank's disk tier
+
+Report = tuple[int, str, Any]
 
 
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    events: Counter = field(default_factory=Counter)
+    reports: list[Report] = field(default_factory=list)
     hits: Counter = field(default_factory=Counter)  # tier -> blocks loaded, for stats
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
-        return TierCacheWorkerMetadata(self.events + other.events, self.hits + other.hits)
+        # Kept apart per report: summing would let one rank's report stand in for another's.
+        return TierCacheWorkerMetadata(self.reports + other.reports, self.hits + other.hits)
+
+    def counts(self) -> Counter:
+        """How many reports of each (kind, value), whatever rank made them."""
+        return Counter((kind, value) for _, kind, value in self.reports)

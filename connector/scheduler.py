@@ -7,8 +7,10 @@ and a block counts as cached only once every rank has reported it."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -21,8 +23,8 @@ from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import SUFFIX
 
+from .ledger import ReportLedger
 from .metadata import (
-    FAILURES,
     FILL_FAILED,
     FILLED,
     OFF_DISK,
@@ -87,7 +89,10 @@ class TierCacheScheduler:
         self._pending_loads: list[LoadJob] = []
         self._pending_write_backs: list[tuple[bytes, int]] = []
         self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
-        self._event_counts: Counter = Counter()
+        self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
+        self.ledger = ReportLedger(worker_count, self.disk_reporters)
+        # Set by reset_cache (new weights): every block is named anew under it.
+        self._weights_epoch: bytes | None = None
         self.stats: Counter = Counter()
 
     # -- startup ------------------------------------------------------------------
@@ -129,6 +134,36 @@ class TierCacheScheduler:
         except RedisUnavailable:
             log.warning("tiercache: redis unreachable at startup; S3 lookups are misses until it answers")
 
+    # -- block names ----------------------------------------------------------------
+    def _block_key(self, block_hash) -> bytes:
+        """The name a block is cached under: vLLM's hash, keyed by the weights epoch
+        once vLLM has asked for a reset."""
+        if self._weights_epoch is None:
+            return bytes(block_hash)
+        return hashlib.blake2b(bytes(block_hash), key=self._weights_epoch, digest_size=32).digest()
+
+    def _block_keys(self, request) -> list:
+        if self._weights_epoch is None:
+            return request.block_hashes
+        return [self._block_key(h) for h in request.block_hashes]
+
+    def reset_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache, which weight-update and RL flows call after
+        loading new weights: from now on no tier may serve a block computed before.
+        The weights may have changed in memory only, so no digest of the files would
+        notice; instead every block is named anew under a random epoch, here and in
+        every object written from now on. What this node held is forgotten at once;
+        the old objects are never looked up again, the disk tier's LRU and S3's GC
+        reclaim them."""
+        self._weights_epoch = secrets.token_bytes(16)
+        self.ready.clear()
+        self.slots.clear()  # a slot still pinned by a transfer is freed on its release
+        self.disk_view.clear()
+        self.ledger.forget_disk()
+        self._lookups.clear()
+        log.info("tiercache: cache reset (new weights epoch): earlier blocks are no longer served")
+        return True
+
     # -- lookup -------------------------------------------------------------------
     def _local_tier(self, block_hash: bytes) -> str | None:
         if block_hash in self.ready:
@@ -138,7 +173,7 @@ class TierCacheScheduler:
         return None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        hashes = request.block_hashes
+        hashes = self._block_keys(request)
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
         if first >= limit:
@@ -198,11 +233,15 @@ class TierCacheScheduler:
         block_ids = blocks.get_block_ids()[0]
         first = lookup.num_computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
+        # vLLM waits for the kind of load the lookup announced (an async one until the
+        # worker reports the request finished receiving): a block lost since the
+        # lookup fails and is recomputed, but never changes that kind.
+        is_async = any(tier != CPU for tier in lookup.tiers[:count])
+        self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
         ops: list[BlockOp] = []
         for i, tier in enumerate(lookup.tiers[:count]):
-            block_hash = bytes(request.block_hashes[first + i])
-            ops.append(self._plan_load(block_hash, block_ids[first + i], tier))
-        is_async = any(op.tier not in (CPU, "") for op in ops)
+            block_hash = self._block_key(request.block_hashes[first + i])
+            ops.append(self._plan_load(block_hash, block_ids[first + i], tier, may_stage=is_async))
         job = LoadJob(req_id, ops, is_async)
         self._pending_loads.append(job)
         if is_async:
@@ -213,16 +252,26 @@ class TierCacheScheduler:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
 
-    def _plan_load(self, block_hash: bytes, gpu_block: int, tier: str) -> BlockOp:
+    def hit_tiers(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of this request's planned hit, by the tier each block was found in
+        (a block lost since is still counted where it was found: vLLM recomputes it
+        and counts the recompute apart). Asked once, right after the plan is made."""
+        blocks = self._hit_tiers.pop(req_id, None)
+        if not blocks or sum(blocks.values()) * self.block_size != num_external_tokens:
+            return {}
+        return {tier: count * self.block_size for tier, count in blocks.items()}
+
+    def _plan_load(self, block_hash: bytes, gpu_block: int, tier: str, may_stage: bool) -> BlockOp:
         """Pin the block's CPU slot (or a new one to stage it into). A block lost since
-        the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it."""
+        the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it.
+        Only an async load (`may_stage`) may fall back from the CPU tier to disk."""
         if tier == CPU:
             slot = self.slots.pin(block_hash)
             if slot is not None and block_hash in self.ready:
                 return BlockOp(block_hash, gpu_block, slot, CPU)
             if slot is not None:
                 self.slots.unpin(slot)
-            tier = DISK if block_hash in self.disk_view else ""
+            tier = DISK if may_stage and block_hash in self.disk_view else ""
         if not tier:
             return BlockOp(block_hash, gpu_block, -1, "")
         if block_hash in self.slots:  # a store or another load is filling it right now
@@ -273,6 +322,7 @@ class TierCacheScheduler:
         self._pending_write_backs = []
         # A lookup holds only until the step it was made for is planned.
         self._lookups.clear()
+        self._hit_tiers.clear()
         return meta
 
     def _plan_stores(self, state: _Request, req_id: str, computed: int, output, meta) -> None:
@@ -282,7 +332,7 @@ class TierCacheScheduler:
         if not self.config.store_decode:
             limit = min(limit, request.num_prompt_tokens // self.block_size)
         for i in range(state.next_block, limit):
-            block_hash = bytes(request.block_hashes[i])
+            block_hash = self._block_key(request.block_hashes[i])
             if block_hash in self.slots or block_hash in self.disk_view:
                 continue
             try:
@@ -297,34 +347,32 @@ class TierCacheScheduler:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, TierCacheWorkerMetadata):
             self.stats.update(worker_meta.hits)
-            for event, count in worker_meta.events.items():
-                self._on_event(event, count)
+            for rank, kind, value in worker_meta.reports:
+                self._on_report(rank, kind, value)
         for req_id in connector_output.finished_recving or ():
             self._load_slots.pop(req_id, None)
 
-    def _needed(self, kind: str) -> int:
-        if kind in FAILURES:
-            return 1
-        return self.disk_reporters if kind == ON_DISK else self.worker_count
-
-    def _on_event(self, event: tuple, count: int) -> None:
-        kind, value = event
-        total = self._event_counts[event] + count
-        if total < self._needed(kind):
-            self._event_counts[event] = total
-            return
-        self._event_counts.pop(event, None)
-        if kind == FILLED:
-            if value in self.slots:
-                self.ready.add(value)
+    def _on_report(self, rank: int, kind: str, value) -> None:
+        if kind == RELEASED:
+            for _ in range(self.ledger.release(rank, value)):
+                self.slots.unpin(value)
+        elif kind == FILLED:
+            block_hash, slot = value
+            if self.slots.slot_of(block_hash) != slot:
+                self.ledger.end_fill(block_hash, slot)  # that fill ended: the report is stale
+            elif self.ledger.fill(rank, block_hash, slot):
+                self.ready.add(block_hash)
         elif kind == FILL_FAILED:
-            self.ready.discard(value)
-            self.slots.remove(value)
-        elif kind == RELEASED:
-            self.slots.unpin(value)
+            block_hash, slot = value
+            self.ledger.end_fill(block_hash, slot)
+            if self.slots.slot_of(block_hash) == slot:
+                self.ready.discard(block_hash)
+                self.slots.remove(block_hash)
         elif kind == ON_DISK:
-            self.disk_view[value] = None
+            if self.ledger.stored_on_disk(rank, value):
+                self.disk_view[value] = None
         elif kind == OFF_DISK:
+            self.ledger.gone_from_disk(rank, value)
             self.disk_view.pop(value, None)
 
     def request_finished(self, request) -> tuple[bool, None]:
@@ -332,3 +380,8 @@ class TierCacheScheduler:
         self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         return False, None
+
+    def gauges(self) -> dict[str, int]:
+        """What must come back to zero once traffic stops, for vLLM's /metrics: CPU
+        slots pinned by transfers, and requests waiting on a disk or S3 load."""
+        return {"pinned_slots": self.slots.pinned(), "loads_in_flight": len(self._load_slots)}

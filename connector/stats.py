@@ -1,5 +1,11 @@
 """Connector statistics as vLLM collects them: each worker reports counts per step,
-vLLM sums them, logs them, and shows them on its own /metrics."""
+vLLM sums them, logs them, and shows them on its own /metrics.
+
+Gauges (state now, not counts) come from both halves: the scheduler's pinned CPU
+slots and loads in flight, each worker's write-downs in flight. vLLM carries
+connector stats only in steps, and sums what several workers send, so each source
+sends its gauges under its own name, only when they changed; /metrics shows the sum
+of every source's latest value."""
 
 from __future__ import annotations
 
@@ -20,6 +26,22 @@ _COUNTERS = {
     "vllm:tiercache_failed_blocks": ("failed_blocks_", "Blocks a tiercache load could not serve"),
 }
 _STORED = ("vllm:tiercache_stored_blocks", "stored_blocks", "Blocks copied into the tiercache CPU tier")
+GAUGES_KEY = "gauges"  # {source: {gauge: value}}, source "scheduler" or "rank<N>"
+# gauge -> (name in vLLM's /metrics, help)
+GAUGES = {
+    "pinned_slots": (
+        "vllm:tiercache_pinned_slots",
+        "tiercache CPU-tier slots held by a load or store in flight",
+    ),
+    "loads_in_flight": (
+        "vllm:tiercache_loads_in_flight",
+        "Requests waiting for a tiercache load from disk or S3",
+    ),
+    "stores_in_flight": (
+        "vllm:tiercache_stores_in_flight",
+        "tiercache blocks queued or being written down to disk or S3",
+    ),
+}
 
 
 @dataclass
@@ -35,16 +57,27 @@ class TierCacheStats(KVConnectorStats):
         """One load job's latency, from plan to blocks in the paged KV, by its slowest tier."""
         self.data.setdefault(LATENCIES, []).append((tier, seconds))
 
+    def set_gauges(self, source: str, values: dict[str, int]) -> None:
+        self.data.setdefault(GAUGES_KEY, {})[source] = dict(values)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
             if key == LATENCIES:
                 self.data.setdefault(LATENCIES, []).extend(value)
+            elif key == GAUGES_KEY:
+                # Another source, or a later report of the same one: the latest holds.
+                self.data.setdefault(GAUGES_KEY, {}).update(value)
             else:
                 self.add(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        summary: dict[str, int | float] = {k: v for k, v in self.data.items() if k != LATENCIES}
+        summary: dict[str, int | float] = {
+            k: v for k, v in self.data.items() if k not in (LATENCIES, GAUGES_KEY)
+        }
+        for source_values in self.data.get(GAUGES_KEY, {}).values():
+            for gauge, value in source_values.items():
+                summary[gauge] = summary.get(gauge, 0) + value
         for tier in TIERS:
             seconds = sorted(s for t, s in self.data.get(LATENCIES, ()) if t == tier)
             if seconds:
@@ -53,6 +86,20 @@ class TierCacheStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+class GaugeReport:
+    """One source's gauges, added to its stats only when they changed since the
+    last report (a report each step would make every step's stats non-empty)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self._last: dict[str, int] | None = None
+
+    def add_to(self, stats: TierCacheStats, values: dict[str, int]) -> None:
+        if values != self._last:
+            stats.set_gauges(self.source, values)
+            self._last = dict(values)
 
 
 class TierCachePromMetrics(KVConnectorPromMetrics):
@@ -80,6 +127,16 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
             for engine, values in per_engine_labelvalues.items()
             for tier in TIERS
         }
+        self._gauges: dict[tuple[int, str], Any] = {}
+        for gauge, (name, help_text) in GAUGES.items():
+            metric = self._gauge_cls(
+                name=name, documentation=help_text, labelnames=labelnames, multiprocess_mode="mostrecent"
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self._gauges[(engine, gauge)] = metric.labels(*values)
+                self._gauges[(engine, gauge)].set(0)
+        # engine -> source -> its latest gauge values
+        self._gauge_sources: dict[int, dict[str, dict[str, int]]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, (prefix, _) in _COUNTERS.items():
@@ -92,3 +149,10 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
             self._stored[engine_idx].inc(stored)
         for tier, seconds in transfer_stats_data.get(LATENCIES, ()):
             self._latency[(engine_idx, tier)].observe(seconds)
+        reported = transfer_stats_data.get(GAUGES_KEY)
+        if reported:
+            sources = self._gauge_sources.setdefault(engine_idx, {})
+            sources.update(reported)
+            for gauge in GAUGES:
+                total = sum(values.get(gauge, 0) for values in sources.values())
+                self._gauges[(engine_idx, gauge)].set(total)

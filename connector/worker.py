@@ -31,10 +31,11 @@ from .metadata import (
     RELEASED,
     BlockOp,
     LoadJob,
+    Report,
     TierCacheMetadata,
     TierCacheWorkerMetadata,
 )
-from .stats import TierCacheStats
+from .stats import GaugeReport, TierCacheStats
 
 log = logging.getLogger("tiercache.connector")
 
@@ -84,13 +85,14 @@ class TierCacheWorker:
         self.engine: TierEngine | None = None
         self.disabled_reason: str | None = None
         self._lock = threading.Lock()
-        self._events: Counter = Counter()
+        self._reports: list[Report] = []  # (rank, kind, value), in the order they happened
         self._hits: Counter = Counter()
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._idle_step = False
         self._stats = TierCacheStats()
+        self._gauges = GaugeReport(f"rank{tp_rank}")
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
         self._layer_order: list[str] | None = None
@@ -163,7 +165,7 @@ class TierCacheWorker:
 
     def _emit(self, kind: str, value) -> None:
         with self._lock:
-            self._events[(kind, value)] += 1
+            self._reports.append((self.tp_rank, kind, value))
 
     # -- loads ----------------------------------------------------------------------
     def _begin_step(self, meta: TierCacheMetadata) -> None:
@@ -300,7 +302,7 @@ class TierCacheWorker:
         for op in ops:
             ok = op.tier == CPU or staged_ok.get(id(op), False)
             if op.tier in (DISK, S3):
-                self._emit(FILLED if ok else FILL_FAILED, op.block_hash)
+                self._emit(FILLED if ok else FILL_FAILED, (op.block_hash, op.slot))
             if ok and not failed:
                 good.append(op)
                 self._hits[op.tier] += 1
@@ -328,13 +330,13 @@ class TierCacheWorker:
             for op in job.ops:
                 self._failed_blocks.add(op.gpu_block)
                 if op.tier in (DISK, S3):
-                    self._emit(FILL_FAILED, op.block_hash)
+                    self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 if op.slot >= 0:
                     self._emit(RELEASED, op.slot)
             if job.is_async:
                 self._finished_recving.add(job.req_id)
         for op in meta.stores:
-            self._emit(FILL_FAILED, op.block_hash)
+            self._emit(FILL_FAILED, (op.block_hash, op.slot))
             self._emit(RELEASED, op.slot)
 
     # -- stores ---------------------------------------------------------------------
@@ -369,7 +371,7 @@ class TierCacheWorker:
             self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
         self._stats.add("stored_blocks", len(ops))
         for op in ops:
-            self._emit(FILLED, op.block_hash)
+            self._emit(FILLED, (op.block_hash, op.slot))
             if self.writes_lower_tiers:
                 self.engine.write_down(op.block_hash, op.slot, self._after_write)
             else:
@@ -399,13 +401,15 @@ class TierCacheWorker:
 
     def take_worker_meta(self) -> TierCacheWorkerMetadata | None:
         with self._lock:
-            if not self._events and not self._hits:
+            if not self._reports and not self._hits:
                 return None
-            meta = TierCacheWorkerMetadata(self._events, self._hits)
-            self._events, self._hits = Counter(), Counter()
+            meta = TierCacheWorkerMetadata(self._reports, self._hits)
+            self._reports, self._hits = [], Counter()
         return meta
 
     def take_stats(self) -> TierCacheStats | None:
+        if self.engine is not None:
+            self._gauges.add_to(self._stats, {"stores_in_flight": self.engine.writes_in_flight})
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, TierCacheStats()

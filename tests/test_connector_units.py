@@ -148,9 +148,14 @@ def blocks_of(ids):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def report(sched, *events, hits=()):
-    meta = TierCacheWorkerMetadata(Counter(events), Counter(hits))
+def report(sched, *events, rank=0, hits=()):
+    """One step's reports from one rank, as the workers' metadata brings them."""
+    meta = TierCacheWorkerMetadata([(rank, kind, value) for kind, value in events], Counter(hits))
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
+
+
+def filled(op):
+    return (FILLED, (op.block_hash, op.slot))
 
 
 def store_prompt(sched, req, gpu_ids):
@@ -166,9 +171,11 @@ def test_a_block_counts_as_cached_only_after_every_rank_filled_it():
     meta = store_prompt(sched, req, [10, 11, 12, 13])
     assert [op.gpu_block for op in meta.stores] == [10, 11, 12]
     first = meta.stores[0]
-    report(sched, (FILLED, first.block_hash))  # rank 0 only
+    report(sched, filled(first), rank=0)
     assert sched.get_num_new_matched_tokens(request("r2", 3), 0) == (0, False)
-    report(sched, (FILLED, first.block_hash))  # rank 1
+    report(sched, filled(first), rank=0)  # the same rank again is not the other rank
+    assert sched.get_num_new_matched_tokens(request("r2", 3), 0) == (0, False)
+    report(sched, filled(first), rank=1)
     assert sched.get_num_new_matched_tokens(request("r3", 3), 0) == (BLOCK, False)
 
 
@@ -176,7 +183,7 @@ def test_full_prompt_hit_leaves_the_last_token_to_compute():
     sched = make_scheduler()
     req = request("r1", 3, extra_tokens=0)  # exactly three full blocks
     meta = store_prompt(sched, req, [1, 2, 3])
-    report(sched, *[(FILLED, op.block_hash) for op in meta.stores])
+    report(sched, *[filled(op) for op in meta.stores])
     again = request("r2", 3, extra_tokens=0)
     assert sched.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, False)
 
@@ -184,9 +191,7 @@ def test_full_prompt_hit_leaves_the_last_token_to_compute():
 def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
     sched = make_scheduler()
     meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
-    report(
-        sched, *[(FILLED, op.block_hash) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores]
-    )
+    report(sched, *[filled(op) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores])
     hit = request("r2", 2)
     assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
     sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
@@ -211,7 +216,7 @@ def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     sched.update_state_after_alloc(hit, blocks_of([30, 31, 32]), 2 * BLOCK)
     (job,) = sched.build_connector_meta(output()).loads
     assert job.is_async and [op.tier for op in job.ops] == ["disk", "disk"]
-    report(sched, (FILL_FAILED, hashes[0]), (FILLED, hashes[1]))
+    report(sched, (FILL_FAILED, (hashes[0], job.ops[0].slot)), filled(job.ops[1]))
     assert hashes[0] not in sched.slots and hashes[1] in sched.ready
 
 
@@ -268,9 +273,7 @@ def test_preempted_request_resumes_with_new_block_ids():
 def test_write_back_demotes_the_victim_of_an_eviction():
     sched = make_scheduler(capacity_slots=2, movers={"policy": "write_back"})
     meta = store_prompt(sched, request("r1", 2), [1, 2, 3])
-    report(
-        sched, *[(FILLED, op.block_hash) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores]
-    )
+    report(sched, *[filled(op) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores])
     other = request("r2", 1)
     other.block_hashes = [b"\xee" * 32, b"\xef" * 32]
     meta2 = store_prompt(sched, other, [8, 9])

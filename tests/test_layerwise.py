@@ -151,7 +151,7 @@ def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for(c
             assert torch.equal(kv[name][[12, 13]], want[name]), name
 
         forward(worker, cpu_hit([3, 4], [12, 13]), LAYERS, check=in_place)
-        events = worker.take_worker_meta().events
+        events = worker.take_worker_meta().counts()
         assert events[(RELEASED, 3)] == 2 and events[(RELEASED, 4)] == 2  # once per load
         assert worker.take_worker_meta() is None
     finally:
@@ -222,7 +222,7 @@ def test_one_requests_lost_block_fails_only_that_requests_blocks(layerwise):
         for name in LAYERS:
             assert torch.equal(kv[name][5], kv[name][0])
             assert torch.equal(kv[name][8], kv[name][1]) and torch.equal(kv[name][9], kv[name][2])
-        events = worker.take_worker_meta().events
+        events = worker.take_worker_meta().counts()
         assert all(events[(RELEASED, slot)] for slot in (2, 3, 4))
     finally:
         worker.shutdown()
@@ -280,7 +280,7 @@ def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         assert worker.get_finished() == {"r"}
-        assert (RELEASED, 3) not in worker.take_worker_meta().events  # still being copied
+        assert (RELEASED, 3) not in worker.take_worker_meta().counts()  # still being copied
         expected = LayerwiseLoad if copy_path.startswith("threads") else StreamLayerwiseLoad
         assert [type(step.load) for step in worker._layerwise] == [expected]
 
@@ -288,7 +288,7 @@ def test_a_staged_hit_is_copied_layer_by_layer_into_the_next_forward(monkeypatch
             assert torch.equal(kv[name][[10, 11]], want[name]), name
 
         forward(worker, empty_step(), LAYERS, check=in_place)
-        events = worker.take_worker_meta().events
+        events = worker.take_worker_meta().counts()
         assert events[(RELEASED, 3)] == 1 and events[(RELEASED, 4)] == 1
     finally:
         worker.shutdown()
@@ -321,8 +321,8 @@ def test_a_prompt_is_stored_with_what_each_layer_wrote_in_this_step(copy_path):
         worker.copier.from_slots([6, 2], [5, 9], worker.buffer)
         for name in LAYERS:
             assert torch.equal(kv[name][[5, 9]], written[name]), name
-        events = worker.take_worker_meta().events
-        assert events[(FILLED, b"s" * 32)] == 1 and events[(FILLED, b"t" * 32)] == 1
+        events = worker.take_worker_meta().counts()
+        assert events[(FILLED, (b"s" * 32, 6))] == 1 and events[(FILLED, (b"t" * 32, 2))] == 1
     finally:
         worker.shutdown()
 

@@ -1,0 +1,364 @@
+"""The scheduler's account of worker reports (connector/ledger.py), and the scheduler
+and workers driven together the way vLLM drives them: with each step's worker output
+seen before the next step is scheduled (the CPU backend), or one step late (vLLM's
+async scheduling, the default on GPUs)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tiercache.config import build_config
+from tiercache.connector.copier import PagedKVCopier
+from tiercache.connector.ledger import ReportLedger
+from tiercache.connector.metadata import (
+    FILL_FAILED,
+    FILLED,
+    OFF_DISK,
+    ON_DISK,
+    RELEASED,
+    TierCacheWorkerMetadata,
+)
+from tiercache.connector.scheduler import TierCacheScheduler
+from tiercache.connector.worker import TierCacheWorker
+from tiercache.keys import KVSpec
+
+BLOCK = 32
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+LAYER_SHAPE = (2, BLOCK, 16)  # per block: kv heads, block size, 2 * head size (CPU backend)
+PAGE = 2 * BLOCK * 16 * 4  # float32
+
+
+def spec(rank: int, tp: int) -> KVSpec:
+    page_bytes = PAGE * len(LAYERS)
+    return KVSpec("m", "", "float32", "auto", BLOCK, "cpu", len(LAYERS), 2, 16, tp, rank, "t", page_bytes)
+
+
+def kv_cache_config(num_blocks: int):
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE), layer_names=LAYERS)
+    return SimpleNamespace(kv_cache_groups=[group], num_blocks=num_blocks)
+
+
+def make_scheduler(tp: int, slots: int, **config) -> TierCacheScheduler:
+    cfg = build_config({"cpu": {"capacity": slots * PAGE * len(LAYERS)}, **config})
+    return TierCacheScheduler(cfg, [spec(r, tp) for r in range(tp)], kv_cache_config(64), worker_count=tp)
+
+
+def request(req_id: str, hashes: list[bytes]):
+    tokens = len(hashes) * BLOCK + 1
+    return SimpleNamespace(
+        request_id=req_id, block_hashes=hashes, num_tokens=tokens, num_prompt_tokens=tokens
+    )
+
+
+def report(sched, rank: int, *events):
+    meta = TierCacheWorkerMetadata([(rank, kind, value) for kind, value in events], Counter())
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
+
+
+def store(sched, req, gpu_ids):
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(gpu_ids),)), 0)
+    new = SimpleNamespace(req_id=req.request_id, block_ids=(list(gpu_ids),), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    output = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: req.num_tokens},
+        total_num_scheduled_tokens=req.num_tokens,
+    )
+    return sched.build_connector_meta(output)
+
+
+# -- the account, report by report ---------------------------------------------------
+def test_two_releases_of_one_slot_in_one_step_unpin_it_twice():
+    """A write-down of a block ends in the step that releases a CPU hit on the same
+    slot: two pins, two releases from the one rank, in one report."""
+    sched = make_scheduler(tp=1, slots=4)
+    (op,) = store(sched, request("r1", [b"a" * 32]), [3, 4]).stores
+    report(sched, 0, (FILLED, (op.block_hash, op.slot)))
+    hit = request("r2", [b"a" * 32])
+    assert sched.get_num_new_matched_tokens(hit, 0) == (BLOCK, False)
+    sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([7, 8],)), BLOCK)
+    assert sched.slots._pins[op.slot] == 2  # the write-down's and the hit's
+    report(sched, 0, (RELEASED, op.slot), (RELEASED, op.slot))
+    assert sched.slots.pinned() == 0
+    assert sched.ledger.open_entries() == 0
+
+
+def test_one_ranks_releases_never_stand_in_for_another_ranks():
+    sched = make_scheduler(tp=2, slots=4)
+    (op,) = store(sched, request("r1", [b"a" * 32]), [3, 4]).stores
+    report(sched, 0, (RELEASED, op.slot), (RELEASED, op.slot))  # rank 0 twice, rank 1 not yet
+    assert sched.slots._pins[op.slot] == 1
+    report(sched, 1, (RELEASED, op.slot))
+    assert sched.slots.pinned() == 0
+    # Rank 0's extra release waits for a pin of rank 1's to match; it unpins nothing alone.
+    assert sched.ledger.open_entries() == 1
+
+
+def test_a_fill_left_over_from_a_failed_fill_never_marks_a_later_fill_ready():
+    """TP=2: rank 0 filled the block, rank 1 failed, so the block is dropped. When it
+    is stored again, rank 0's report of the first fill must not count for the second:
+    only once both ranks filled it again may it be served."""
+    sched = make_scheduler(tp=2, slots=4)
+    block = b"a" * 32
+    (first,) = store(sched, request("r1", [block]), [3, 4]).stores
+    report(sched, 0, (FILLED, (block, first.slot)))
+    report(sched, 1, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot))
+    report(sched, 0, (RELEASED, first.slot))
+    assert block not in sched.slots and block not in sched.ready
+    (second,) = store(sched, request("r2", [block]), [5, 6]).stores
+    report(sched, 0, (FILLED, (block, second.slot)))
+    assert block not in sched.ready  # rank 1 has not copied it yet
+    assert sched.get_num_new_matched_tokens(request("r3", [block]), 0) == (0, False)
+    report(sched, 1, (FILLED, (block, second.slot)))
+    assert block in sched.ready
+
+
+def test_a_late_fill_of_a_block_that_moved_to_another_slot_is_ignored():
+    sched = make_scheduler(tp=2, slots=4)
+    block = b"a" * 32
+    (first,) = store(sched, request("r1", [block]), [3, 4]).stores
+    report(sched, 1, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot))
+    (second,) = store(sched, request("r2", [block]), [5, 6]).stores
+    assert second.slot != first.slot  # the first slot is still pinned by rank 0
+    report(sched, 0, (FILLED, (block, first.slot)), (RELEASED, first.slot))  # rank 0, late
+    report(sched, 1, (FILLED, (block, second.slot)))
+    assert block not in sched.ready
+    report(sched, 0, (FILLED, (block, second.slot)))
+    assert block in sched.ready and sched.slots._pins == {second.slot: 1}  # the store's own pin
+
+
+def test_disk_presence_is_counted_per_rank():
+    sched = make_scheduler(tp=2, slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    block = b"d" * 32
+    report(sched, 0, (ON_DISK, block), (ON_DISK, block))  # rank 0 wrote it twice
+    assert block not in sched.disk_view
+    report(sched, 1, (ON_DISK, block))
+    assert block in sched.disk_view
+    report(sched, 0, (OFF_DISK, block))
+    report(sched, 0, (ON_DISK, block))  # rank 0 again: rank 1 still holds its copy
+    assert block in sched.disk_view
+    report(sched, 1, (OFF_DISK, block))
+    assert block not in sched.disk_view
+
+
+def test_the_ledger_keeps_nothing_once_every_rank_reported():
+    ledger = ReportLedger(ranks=2, disk_ranks=2)
+    for slot in range(1000):
+        assert not ledger.fill(0, b"h", slot)
+        assert ledger.fill(1, b"h", slot)
+        assert ledger.release(1, slot) == 0
+        assert ledger.release(0, slot) == 1
+    assert ledger.open_entries() == 0
+
+
+# -- scheduler and workers, step by step, outputs on time or one step late -----------
+def content(block_hash: bytes, rank: int, layer: int) -> float:
+    """What the forward writes for a block: distinct per block, rank and layer."""
+    return int.from_bytes(hashlib.sha256(block_hash).digest()[:2], "little") + 70000.0 * rank + 0.25 * layer
+
+
+class MiniEngine:
+    """Enough of vLLM's engine to drive the connector's two halves: prompts of whole
+    blocks, a block pool, loads (CPU hits in the step that needs them, disk hits
+    waiting for the workers' `finished_recving`), stores, requests finishing after
+    their prefill, and the forward checking every block it reads from a load."""
+
+    def __init__(self, tmp_path, tp: int, lag: int, cpu_slots: int):
+        self.lag = lag
+        self.num_blocks = 48
+        disk = {"path": str(tmp_path / "disk"), "capacity": 1 << 30}
+        self.sched = TierCacheScheduler(
+            build_config({"cpu": {"capacity": cpu_slots * PAGE * len(LAYERS)}, "disk": disk}),
+            [spec(r, tp) for r in range(tp)],
+            kv_cache_config(self.num_blocks),
+            worker_count=tp,
+        )
+        self.kv = []
+        self.workers = []
+        for rank in range(tp):
+            kv = {name: torch.zeros(self.num_blocks, *LAYER_SHAPE) for name in LAYERS}
+            slot_bytes = PagedKVCopier(kv, self.num_blocks).slot_bytes
+            config = build_config({"cpu": {"capacity": cpu_slots * slot_bytes}, "disk": disk})
+            worker = TierCacheWorker(
+                config, spec(rank, tp), "m", self.num_blocks, tp_rank=rank, writes_lower_tiers=True,
+                disk_share=1 << 29,
+            )
+            worker.register_kv_caches(kv, slot_bytes)
+            self.kv.append(kv)
+            self.workers.append(worker)
+        self.free = list(range(self.num_blocks))
+        self.waiting: list = []  # requests not yet scheduled
+        self.remote: dict[str, tuple] = {}  # waiting for a disk load: req -> (request, blocks, tokens)
+        self.outputs: list = []  # worker outputs not yet seen by the scheduler
+        self.loaded = Counter()  # tier -> blocks checked after a load
+        self.finishing: list = []
+        self.recved: set[str] = set()  # requests whose disk load every worker finished
+
+    def submit(self, req_id: str, hashes: list[bytes]) -> None:
+        self.waiting.append(request(req_id, hashes))
+
+    def step(self) -> None:
+        sched = self.sched
+        new_reqs, scheduled, loads, computes = [], {}, {}, {}
+        for req in list(self.waiting):
+            tokens, is_async = sched.get_num_new_matched_tokens(req, 0)
+            blocks = [self.free.pop() for _ in req.block_hashes] + [self.free.pop()]
+            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda b=blocks: (b,)), tokens)
+            self.waiting.remove(req)
+            if is_async:
+                self.remote[req.request_id] = (req, blocks, tokens)
+                continue
+            self._schedule(req, blocks, tokens, new_reqs, scheduled, loads, computes)
+        for req_id, (req, blocks, tokens) in list(self.remote.items()):
+            if req_id in self.recved:
+                del self.remote[req_id]
+                sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda b=blocks: (b,)), 0)
+                self._schedule(req, blocks, tokens, new_reqs, scheduled, loads, computes)
+        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+        output = SimpleNamespace(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+        )
+        meta = sched.build_connector_meta(output)
+        # Async scheduling: the step before's output arrives only now, after this
+        # step was scheduled.
+        while len(self.outputs) > self.lag:
+            self._deliver(self.outputs.pop(0))
+        self.outputs.append(self._execute(meta, loads, computes))
+
+    def _schedule(self, req, blocks, tokens, new_reqs, scheduled, loads, computes):
+        loaded = tokens // BLOCK
+        new = SimpleNamespace(req_id=req.request_id, block_ids=(blocks,), num_computed_tokens=tokens)
+        new_reqs.append(new)
+        scheduled[req.request_id] = req.num_tokens - tokens
+        loads.update({blocks[i]: req.block_hashes[i] for i in range(loaded)})
+        computes.update({blocks[i]: req.block_hashes[i] for i in range(loaded, len(req.block_hashes))})
+        self.finishing.append((req, blocks))
+
+    def _execute(self, meta, loads, computes):
+        reports, hits, recving = [], Counter(), []
+        failed: set[int] = set()
+        for rank, worker in enumerate(self.workers):
+            kv = self.kv[rank]
+            worker.start_load_kv(meta)
+            for layer, name in enumerate(LAYERS):
+                worker.wait_for_layer(name)
+                for block, block_hash in loads.items():  # attention reads the loaded KV
+                    if block not in failed:
+                        assert torch.all(kv[name][block] == content(block_hash, rank, layer)), (rank, name)
+                for block, block_hash in computes.items():  # and writes the new KV
+                    kv[name][block] = content(block_hash, rank, layer)
+                worker.save_layer(name, meta)
+            worker.wait_for_save(meta)
+            recving.append(worker.get_finished())
+            failed |= worker.take_failed_blocks()
+            worker_meta = worker.take_worker_meta()
+            if worker_meta is not None:
+                reports.extend(worker_meta.reports)
+                hits.update(worker_meta.hits)
+        assert not failed, "nothing in this workload may fail to load"
+        self.loaded.update(hits)
+        done = set.intersection(*recving) if recving else set()
+        return SimpleNamespace(
+            kv_connector_worker_meta=TierCacheWorkerMetadata(reports, hits), finished_recving=done
+        )
+
+    def _deliver(self, output) -> None:
+        self.sched.update_connector_output(output)
+        self.recved |= output.finished_recving
+        # Requests computed in that step are done: their blocks go back to the pool.
+        for req, blocks in self.finishing:
+            self.sched.request_finished(req)
+            self.free.extend(blocks)
+        self.finishing = []
+
+    def drain(self) -> None:
+        for _ in range(200):
+            for worker in self.workers:
+                assert worker.engine.flush(10)
+            self.step()
+            idle = not self.waiting and not self.remote and not self.finishing
+            if idle and self.sched.slots.pinned() == 0 and self.sched.ledger.open_entries() == 0:
+                break
+        while self.outputs:
+            self._deliver(self.outputs.pop(0))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["outputs seen before the next step", "one step late (async)"])
+def test_scheduler_and_workers_serve_the_same_kv_whenever_outputs_arrive(tmp_path, lag):
+    """Twelve prompts over six prefixes, TP=2, a CPU tier of eight slots over a disk
+    tier: stores, CPU hits, evictions, disk hits and their staging, with every worker
+    output delivered on time or one step late. Every block a forward reads from a load
+    holds exactly what the prefix's first request computed on that rank; once quiet,
+    no slot is pinned, no report is waiting and no load is in flight."""
+    engine = MiniEngine(tmp_path, tp=2, lag=lag, cpu_slots=8)
+    try:
+        prefixes = [[bytes([p, b]) * 16 for b in range(3)] for p in range(6)]
+        order = [0, 1, 0, 2, 3, 1, 4, 5, 0, 2, 5, 3]
+        for i, p in enumerate(order):
+            engine.submit(f"r{i}", prefixes[p])
+            engine.step()
+        engine.drain()
+        sched = engine.sched
+        assert sched.slots.pinned() == 0
+        assert sched.ledger.open_entries() == 0
+        assert not sched._load_slots
+        assert engine.loaded["cpu"] + engine.loaded["disk"] > 0  # hits were served and checked
+    finally:
+        engine.close()
+
+
+# -- vLLM's own accounting: hits by tier, and /reset_prefix_cache ---------------------
+def test_hits_are_split_by_the_tier_that_holds_them():
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from tiercache.connector import TierCacheConnector
+
+    sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    blocks = [bytes([i]) * 32 for i in range(3)]
+    ops = store(sched, request("r1", blocks[:2]), [1, 2, 3]).stores
+    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])
+    report(sched, 0, *[(RELEASED, op.slot) for op in ops])
+    sched.disk_view[blocks[2]] = None
+    hit = request("r2", blocks)
+    assert sched.get_num_new_matched_tokens(hit, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 3 * BLOCK)
+    connector = SimpleNamespace(scheduler=sched)
+    sources = TierCacheConnector.get_external_cache_hit_sources(connector, hit, 3 * BLOCK)
+    assert sources == {CacheHitSource.HOST: 2 * BLOCK, CacheHitSource.DISK: BLOCK}
+    # Asked with a count the plan does not add up to: vLLM's own fallback decides.
+    assert TierCacheConnector.get_external_cache_hit_sources(connector, hit, 3 * BLOCK) == {}
+
+
+def test_after_a_cache_reset_no_block_computed_before_is_served():
+    sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    blocks = [bytes([i]) * 32 for i in range(2)]
+    ops = store(sched, request("r1", blocks), [1, 2, 3]).stores
+    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])  # write-downs still pin
+    sched.disk_view[blocks[0]] = None
+    assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (2 * BLOCK, False)
+
+    assert sched.reset_cache() is True
+    assert sched.get_num_new_matched_tokens(request("r3", blocks), 0) == (0, False)
+    # The old blocks' write-downs end after the reset: their late reports serve nothing.
+    report(sched, 0, (ON_DISK, blocks[0]), *[(RELEASED, op.slot) for op in ops])
+    assert sched.get_num_new_matched_tokens(request("r4", blocks), 0) == (0, False)
+    assert sched.slots.pinned() == 0
+    # Computed again under the new weights, stored under new names, served again.
+    again = store(sched, request("r5", blocks), [4, 5, 6]).stores
+    assert {op.block_hash for op in again}.isdisjoint(blocks)
+    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in again])
+    assert sched.get_num_new_matched_tokens(request("r6", blocks), 0) == (2 * BLOCK, False)
