@@ -287,3 +287,37 @@ def test_cli_config_check(tmp_path):
     result = _check(tmp_path / "nope.yaml")
     assert result.returncode == 2
     assert "cannot read the file" in " ".join(result.stderr.split())
+
+
+def test_an_s3_tier_without_capacity_is_warned_about_at_start(
+    tmp_path, redis_url, s3_endpoint, bucket, caplog
+):
+    """Review fix: with no s3.capacity nothing bounds S3 or the index; say so at start."""
+    import logging
+
+    from tiercache.engine import ObjectShape, TierEngine
+    from tiercache.service import create_app
+    from tiercache.tiers.cpu import CpuBuffer
+
+    s3 = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"}
+    unbounded = build_config({"redis_url": redis_url, "s3": s3}, environ={})
+    bounded = build_config({"redis_url": redis_url, "s3": {**s3, "capacity": "1GiB"}}, environ={})
+    shape = ObjectShape("0" * 16, "1" * 16, 4096)
+
+    def warnings_at_start(config) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            TierEngine(config, shape, CpuBuffer(1, 4096, pin_memory=False)).close()
+            service = create_app(config).state.tiercache
+            service.start()
+            service.close()
+        return [r.getMessage() for r in caplog.records if "s3.capacity" in r.getMessage()]
+
+    assert len(warnings_at_start(unbounded)) == 2  # the worker's engine and the service
+    assert warnings_at_start(bounded) == []
+    path = tmp_path / "unbounded.yaml"
+    path.write_text(json.dumps({"redis_url": redis_url, "s3": s3}))
+    checked = subprocess.run(
+        [sys.executable, "-m", "tiercache.cli", "config", "check", str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "s3.capacity" in checked.stderr

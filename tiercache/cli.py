@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tiercache.config import ConfigError, TierCacheConfig, build_config, load_config
+from tiercache.config import ConfigError, TierCacheConfig, build_config, load_config, unbounded_warnings
 
 app = typer.Typer(
     help="tiercache: a tiered KV-cache for vLLM (CPU, local NVMe and S3 tiers, Redis index).",
@@ -47,6 +47,8 @@ def config_check(
     config, or each problem with the field it concerns. Exit 0 if valid, 2 if not."""
     config = _load(file)
     resolved = config.redacted()
+    for warning in unbounded_warnings(config):
+        err.print(f"[yellow]warning: {warning}[/yellow]")
     if as_json:
         print(json.dumps(resolved, indent=2))
     else:

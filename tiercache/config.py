@@ -247,6 +247,18 @@ _URL_PASSWORD = re.compile(r"(://[^:/?#@]*:)[^/?#]*@")
 _QUERY_SECRET = re.compile(r"([?&][^=&#]*(?:password|passwd|pwd|secret|token)=)[^&#]*", re.IGNORECASE)
 
 
+def unbounded_warnings(config: TierCacheConfig) -> list[str]:
+    """Settings that let storage grow without bound: logged when a tier engine or the
+    service starts, and printed by `tiercache config check`."""
+    if config.s3 is not None and config.s3.capacity is None:
+        return [
+            "s3.capacity is not set: nothing bounds the S3 tier or its Redis index, which grow "
+            "for as long as new blocks are stored; set s3.capacity (this namespace's GC budget, "
+            "kept by `tiercache serve` or `tiercache gc`) to keep both in bounds"
+        ]
+    return []
+
+
 def redact_url(url: str) -> str:
     """The URL with any password (in the authority or the query) shown as ***."""
     return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url, count=1))

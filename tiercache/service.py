@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tiercache import __version__
-from tiercache.config import TierCacheConfig, redact_url
+from tiercache.config import TierCacheConfig, redact_url, unbounded_warnings
 from tiercache.gc import (
     DEFAULT_ORPHAN_GRACE,
     GcBusy,
@@ -543,6 +543,8 @@ class ServiceState:
                 log.exception("gc pass failed")
 
     def start(self) -> None:
+        for warning in unbounded_warnings(self.config):
+            log.warning("%s", warning)
         if self.s3 is not None and self.gc_interval > 0 and self._gc_thread is None:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="tiercache-gc", daemon=True)
             self._gc_thread.start()
