@@ -233,6 +233,11 @@ class TierEngine:
         self._movers.submit(self._write_task, result, data, tiers, on_done)
         return True
 
+    @property
+    def writes_in_flight(self) -> int:
+        """Write-downs queued or running (each to every tier it goes to)."""
+        return self._queued
+
     def _write_task(self, result, data, tiers, on_done) -> None:
         upload = None
         try:

@@ -132,6 +132,11 @@ class SlotAllocator:
         with self._lock:
             return self.num_slots - len(self._pins)
 
+    def pinned(self) -> int:
+        """Slots a transfer holds now (each counted once, however many pins)."""
+        with self._lock:
+            return len(self._pins)
+
     def unpinned_among(self, keys: Iterable[str]) -> int:
         """How many of `keys` hold a slot that no transfer holds."""
         with self._lock:
