@@ -1,0 +1,130 @@
+"""Defects the serving load test (test_e2e_serve_load.py) found, each pinned down
+here without a vLLM engine, and the connector's gauges on vLLM's /metrics."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tiercache.config import build_config
+from tiercache.connector.scheduler import TierCacheScheduler
+from tiercache.connector.stats import GaugeReport, TierCachePromMetrics, TierCacheStats
+from tiercache.keys import KVSpec
+
+BLOCK = 32
+PAGE = 4096
+DISK = {"path": "/tmp/tiercache-unit-disk-never-created"}
+
+
+def make_scheduler(capacity_slots: int = 16, **config) -> TierCacheScheduler:
+    cfg = build_config({"cpu": {"capacity": capacity_slots * 2 * PAGE}, **config})
+    spec = KVSpec("m", "", "float32", "auto", BLOCK, "cpu::FullAttentionSpec", 2, 2, 16, 1, 0, "t", 2 * PAGE)
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE), layer_names=["a", "b"])
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[group], num_blocks=64)
+    return TierCacheScheduler(cfg, [spec], kv_cache_config, worker_count=1)
+
+
+def request(req_id: str, n_blocks: int):
+    tokens = n_blocks * BLOCK + 1
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=[bytes([i]) * 32 for i in range(n_blocks)],
+        num_tokens=tokens,
+        num_prompt_tokens=tokens,
+    )
+
+
+def blocks_of(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def idle_output():
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+
+
+def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
+    """vLLM puts a request told "load asynchronously" in WAITING_FOR_REMOTE_KVS
+    until a worker reports it in finished_recving, and the worker reports only jobs
+    marked async. The second of two requests for the same disk prefix in one step
+    found every block's slot already taken by the first's staging, so all its ops
+    were planned as lost, its job was marked sync, and the request waited forever
+    (under load: three requests stuck, the engine polling with nothing to run)."""
+    sched = make_scheduler(disk=DISK)
+    first, second = request("r1", 3), request("r2", 3)
+    for h in first.block_hashes:
+        sched.disk_view[bytes(h)] = None
+    for req, gpu in ((first, [1, 2, 3, 4]), (second, [5, 6, 7, 8])):
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+        sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
+    jobs = {job.req_id: job for job in sched.build_connector_meta(idle_output()).loads}
+    assert jobs["r1"].is_async and [op.tier for op in jobs["r1"].ops] == ["disk"] * 3
+    # The second's blocks are being staged for the first: they fail (vLLM recomputes
+    # them), but the job is still the async load vLLM waits for.
+    assert [op.tier for op in jobs["r2"].ops] == ["", "", ""]
+    assert jobs["r2"].is_async
+    assert sched.gauges()["loads_in_flight"] == 2
+
+
+def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup():
+    """The other direction: vLLM was told "sync" and schedules the request's forward
+    this step, so the job must not turn into an async load (whose finished_recving
+    would name a running request)."""
+    sched = make_scheduler(disk=DISK)
+    req = request("r1", 2)
+    for h in req.block_hashes:
+        h = bytes(h)
+        slot, _ = sched.slots.allocate(h)
+        sched.slots.unpin(slot)
+        sched.ready.add(h)
+        sched.disk_view[h] = None
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
+    evicted = bytes(req.block_hashes[1])  # by another request's store since the lookup
+    sched.ready.discard(evicted)
+    sched.slots.remove(evicted)
+    sched.update_state_after_alloc(req, blocks_of([4, 5, 6]), 2 * BLOCK)
+    (job,) = sched.build_connector_meta(idle_output()).loads
+    assert not job.is_async
+
+
+def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
+
+    types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = TierCachePromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"]})
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
+
+    assert value("vllm:tiercache_pinned_slots") == 0  # there before any report
+
+    scheduler, rank0, rank1 = GaugeReport("scheduler"), GaugeReport("rank0"), GaugeReport("rank1")
+    step = TierCacheStats()
+    scheduler.add_to(step, {"pinned_slots": 5, "loads_in_flight": 1})
+    for rank, queued in ((rank0, 3), (rank1, 4)):
+        worker = TierCacheStats()
+        rank.add_to(worker, {"stores_in_flight": queued})
+        step.aggregate(worker)  # as vLLM sums the workers' stats and the scheduler's
+    prom.observe(step.to_dict())
+    assert value("vllm:tiercache_pinned_slots") == 5
+    assert value("vllm:tiercache_stores_in_flight") == 7
+    assert step.reduce()["stores_in_flight"] == 7
+
+    # Next step only rank 0 changed: rank 1's last report still counts.
+    later = TierCacheStats()
+    scheduler.add_to(later, {"pinned_slots": 5, "loads_in_flight": 1})  # unchanged: not sent
+    rank0.add_to(later, {"stores_in_flight": 0})
+    assert list(later.data["gauges"]) == ["rank0"]
+    prom.observe(later.to_dict())
+    assert value("vllm:tiercache_stores_in_flight") == 4
+    assert value("vllm:tiercache_loads_in_flight") == 1
