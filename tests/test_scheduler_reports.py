@@ -200,6 +200,7 @@ class MiniEngine:
         self.loaded = Counter()  # tier -> blocks checked after a load
         self.finishing: list = []
         self.recved: set[str] = set()  # requests whose disk load every worker finished
+        self.recv_reports: Counter = Counter()  # req -> ranks that reported its load done
 
     def submit(self, req_id: str, hashes: list[bytes]) -> None:
         self.waiting.append(request(req_id, hashes))
@@ -267,7 +268,13 @@ class MiniEngine:
                 hits.update(worker_meta.hits)
         assert not failed, "nothing in this workload may fail to load"
         self.loaded.update(hits)
-        done = set.intersection(*recving) if recving else set()
+        # As vLLM's output aggregator: finished once every rank has said so, in
+        # whatever steps they did.
+        for finished in recving:
+            self.recv_reports.update(finished)
+        done = {req_id for req_id, count in self.recv_reports.items() if count == len(self.workers)}
+        for req_id in done:
+            del self.recv_reports[req_id]
         return SimpleNamespace(
             kv_connector_worker_meta=TierCacheWorkerMetadata(reports, hits), finished_recving=done
         )
