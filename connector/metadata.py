@@ -6,10 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from .vllm_compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass

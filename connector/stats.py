@@ -12,10 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from .vllm_compat import KVConnectorPromMetrics, KVConnectorStats
 
 TIERS = ("cpu", "disk", "s3")
 LATENCIES = "load_seconds"  # list of (tier, seconds), one per load job
