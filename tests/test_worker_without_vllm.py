@@ -62,9 +62,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_the_worker_imports_and_copies_with_vllm_unimportable():
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
-    )
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["have_vllm"] is False
