@@ -76,15 +76,23 @@ class Leftovers:
 
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port (the CPU
-    build's `vllm` script looks for a distribution named "vllm" and fails)."""
+    build's `vllm` script looks for a distribution named "vllm" and fails). `python`
+    picks another environment's interpreter (a benchmark runs a peer from its own venv)."""
 
-    def __init__(self, model: Path, args: list[str], log_path: Path, env: dict[str, str]):
+    def __init__(
+        self,
+        model: Path,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str],
+        python: str | None = None,
+    ):
         self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
-            sys.executable,
+            python or sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",

