@@ -18,10 +18,8 @@ objects in S3 right after each GC pass, against their capacities.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import os
 import random
 import sys
 import tempfile
@@ -47,14 +45,10 @@ def rss_mib() -> float:
 
 
 def disk_usage(root: Path) -> tuple[int, int]:
-    files = size = 0
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            if name.endswith(".safetensors") and not name.startswith(".tmp-"):
-                files += 1
-                with contextlib.suppress(FileNotFoundError):
-                    size += os.stat(os.path.join(dirpath, name)).st_size
-    return files, size
+    from tiercache.tiers.disk import DiskLayout
+
+    usage = DiskLayout(root).usage().values()
+    return sum(objects for objects, _ in usage), sum(size for _, size in usage)
 
 
 def main(argv: list[str] | None = None) -> dict:

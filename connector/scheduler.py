@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import secrets
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from tiercache.keys import KVSpec
 from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk import SUFFIX
+from tiercache.tiers.disk import DiskLayout
 
 from .ledger import ReportLedger
 from .metadata import (
@@ -99,17 +98,8 @@ class TierCacheScheduler:
     def _scan_disk(self) -> None:
         """Blocks whose object exists on disk for every rank: the node's disk tier
         survives restarts, and this is how the scheduler learns what it holds."""
-        per_rank = []
-        for digest in self.rank_digests:
-            root = self.config.disk.path / digest
-            names = set()
-            if root.is_dir():
-                for sub in os.scandir(root):
-                    if sub.is_dir():
-                        names.update(
-                            e.name[: -len(SUFFIX)] for e in os.scandir(sub.path) if e.name.endswith(SUFFIX)
-                        )
-            per_rank.append(names)
+        layout = DiskLayout(self.config.disk.path)
+        per_rank = [{block for block, _ in layout.objects(digest)} for digest in self.rank_digests]
         common = set.intersection(*per_rank) if per_rank else set()
         for name in common:
             try:

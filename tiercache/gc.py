@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import re
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -53,6 +52,7 @@ from tiercache.keys import object_key, split_key
 from tiercache.leases import Leases
 from tiercache.metrics import GC_SWEEPS_REFUSED
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.format import DATA_ALIGN, CorruptObject, ObjectHeader, decode_header, header_length
 from tiercache.tiers.s3 import S3Tier
 
@@ -624,14 +624,7 @@ def flush_namespace(
                     report["s3_objects_deleted"] += deleted
                     report["s3_delete_failed"] += failed
             if config.disk is not None:
+                layout = DiskLayout(config.disk.path)
                 for rank in dep.rank_digests:
-                    report["disk_objects_deleted"] += _remove_disk_dir(config.disk.path / rank)
+                    report["disk_objects_deleted"] += layout.remove_digest(rank)
     return report
-
-
-def _remove_disk_dir(path) -> int:
-    if not path.is_dir():
-        return 0
-    count = sum(1 for p in path.glob("*/*.safetensors"))
-    shutil.rmtree(path, ignore_errors=True)
-    return count

@@ -139,9 +139,9 @@ def inspect_file(path: Path, console: Console, integrity_key: bytes | None = Non
 
 
 def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
-    from tiercache.service import disk_object_path
+    from tiercache.tiers.disk import DiskLayout
 
-    path = disk_object_path(config.disk.path, key)
+    path = Path(DiskLayout(config.disk.path).path(key))
     if not path.is_file():
         return f"absent ({path})", False
     try:
@@ -244,13 +244,11 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, hash_name: str = 
     return hashes
 
 
-def _leading_on_disk(root: Path, rank_digests, hashes: list[bytes]) -> int:
-    from tiercache.service import disk_object_path
-
+def _leading_on_disk(layout, rank_digests, hashes: list[bytes]) -> int:
     count = 0
     for block_hash in hashes:
         keys = [f"{digest}/{block_hash.hex()}" for digest in rank_digests]
-        if not all(disk_object_path(root, key).is_file() for key in keys):
+        if not all(layout.holds(key) for key in keys):
             break
         count += 1
     return count
@@ -261,6 +259,7 @@ def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: in
     from tiercache.gc import registered_deployments
     from tiercache.index import RedisIndex
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+    from tiercache.tiers.disk import DiskLayout
 
     try:
         hashes = prompt_block_hashes(token_ids, block_size)
@@ -282,7 +281,7 @@ def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: in
                 table.add_row(dep.model_digest, dep.model, "s3", f"{found} of {len(hashes)}")
                 rows += 1
                 if config.disk is not None:
-                    on_disk = _leading_on_disk(config.disk.path, dep.rank_digests, hashes)
+                    on_disk = _leading_on_disk(DiskLayout(config.disk.path), dep.rank_digests, hashes)
                     table.add_row(
                         dep.model_digest, dep.model, "disk (this node)", f"{on_disk} of {len(hashes)}"
                     )
@@ -292,9 +291,10 @@ def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: in
             redis.close()
     elif config.disk is not None and config.disk.path.is_dir():
         # No registry without Redis: every rank digest on this disk is a candidate.
-        for digest_dir in sorted(p for p in config.disk.path.iterdir() if p.is_dir()):
-            on_disk = _leading_on_disk(config.disk.path, [digest_dir.name], hashes)
-            table.add_row(f"rank {digest_dir.name}", "", "disk (this node)", f"{on_disk} of {len(hashes)}")
+        layout = DiskLayout(config.disk.path)
+        for digest in layout.digests():
+            on_disk = _leading_on_disk(layout, [digest], hashes)
+            table.add_row(f"rank {digest}", "", "disk (this node)", f"{on_disk} of {len(hashes)}")
             rows += 1
     if not rows:
         console.print("[yellow]nothing to look in: configure redis_url or disk.path[/yellow]")

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -49,6 +48,7 @@ from tiercache.gc import (
 )
 from tiercache.index import Deployment, RedisIndex
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.s3 import S3Tier, make_client
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,6 @@ SERVICE_MAX_BACKOFF = 2.0
 
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
 _HEX = re.compile(r"^[0-9a-f]*$")
-_DIGEST_DIR = re.compile(r"^[0-9a-f]{16}$")
-_DISK_SUFFIX = ".safetensors"
-_DISK_TMP_PREFIX = ".tmp-"
 
 
 # -- request and response models ----------------------------------------------------
@@ -171,39 +168,6 @@ class GcTotals:
     last_run: float | None = None
     last_duration: float | None = None
     last_report: dict[str, Any] | None = None
-
-
-def disk_object_path(root: Path, key: str) -> Path:
-    """Where the disk tier keeps `key` (the layout of tiers/disk.py)."""
-    digest, block = key.split("/")
-    return root / digest / block[:2] / (block + _DISK_SUFFIX)
-
-
-def scan_disk(root: Path) -> dict[str, tuple[int, int]]:
-    """Objects and bytes per rank digest under a disk tier root (temporary files skipped)."""
-    found: dict[str, tuple[int, int]] = {}
-    try:
-        digest_dirs = list(os.scandir(root))
-    except OSError:
-        return found
-    for digest_dir in digest_dirs:
-        if not _DIGEST_DIR.match(digest_dir.name) or not digest_dir.is_dir(follow_symlinks=False):
-            continue
-        objects = size = 0
-        with contextlib.suppress(OSError), os.scandir(digest_dir.path) as shards:
-            for shard in shards:
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                with contextlib.suppress(OSError), os.scandir(shard.path) as entries:
-                    for entry in entries:
-                        name = entry.name
-                        if name.startswith(_DISK_TMP_PREFIX) or not name.endswith(_DISK_SUFFIX):
-                            continue
-                        with contextlib.suppress(OSError):
-                            size += entry.stat(follow_symlinks=False).st_size
-                            objects += 1
-        found[digest_dir.name] = (objects, size)
-    return found
 
 
 def _redis_for(config: TierCacheConfig) -> GuardedRedis | None:
@@ -334,7 +298,7 @@ def collect_stats(config: TierCacheConfig) -> dict[str, Any]:
     reported in "errors", not raised."""
     redis = _redis_for(config)
     try:
-        disk = scan_disk(config.disk.path) if config.disk else None
+        disk = DiskLayout(config.disk.path).usage() if config.disk else None
         return _stats(config, redis, disk)
     finally:
         if redis is not None:
@@ -367,7 +331,7 @@ class ServiceState:
                 update={"read_timeout": min(config.s3.read_timeout, PROBE_READ_TIMEOUT), "max_attempts": 1}
             )
             self.s3_probe = make_client(probe)
-        self.disk_root = config.disk.path if config.disk else None
+        self.disk = DiskLayout(config.disk.path) if config.disk else None
         self._lock = threading.Lock()
         self.lookups: dict[str, LookupCounts] = {}
         self.gc = GcTotals()
@@ -413,13 +377,13 @@ class ServiceState:
 
     # -- stats ----------------------------------------------------------------------
     def disk_scan(self, max_age: float = DISK_SCAN_TTL) -> dict[str, tuple[int, int]] | None:
-        if self.disk_root is None:
+        if self.disk is None:
             return None
         cached = self._disk_cache
         now = time.monotonic()
         if cached is not None and now - cached[0] < max_age:
             return cached[1]
-        scan = scan_disk(self.disk_root)
+        scan = self.disk.usage()
         self._disk_cache = (now, scan)
         return scan
 
@@ -460,7 +424,7 @@ class ServiceState:
     def _disk_prefix(self, rank_digests: tuple[str, ...], hashes: list[str]) -> int:
         for i, block in enumerate(hashes):
             for rank in rank_digests:
-                if not disk_object_path(self.disk_root, f"{rank}/{block}").is_file():
+                if not self.disk.holds(f"{rank}/{block}"):
                     return i
         return len(hashes)
 
@@ -474,7 +438,7 @@ class ServiceState:
                 # touch=False: a router asking is not a use, so GC order is left alone.
                 s3_blocks = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False)
                 disk_blocks = (
-                    self._disk_prefix(dep.rank_digests, hashes) if self.disk_root is not None else None
+                    self._disk_prefix(dep.rank_digests, hashes) if self.disk is not None else None
                 )
                 hits.append(
                     DeploymentHit(

@@ -10,10 +10,12 @@ import errno
 import logging
 import mmap
 import os
+import re
+import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from stat import S_IMODE
 
@@ -38,6 +40,7 @@ TMP_PREFIX = ".tmp-"
 # the folders that hold them are the owner's alone, whatever the process umask.
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+_DIGEST_DIR = re.compile(r"^[0-9a-f]{16}$")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -48,6 +51,111 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class DiskLayout:
+    """Where a disk tier root keeps what: the one place that knows the layout, for the
+    tier itself and for everyone who reads the folder without owning it (the
+    scheduler's scan at start, the service's stats and lookups, GC's flush, inspect).
+
+        <root>/<rank digest>/<first 2 hex of the block>/<block hash hex>.safetensors
+        <root>/<rank digest>/<xx>/.tmp-<pid>-<thread>-<block hash hex>.safetensors
+
+    The two-hex fan-out keeps folders small; a temp file names the process writing
+    it, so a restart can tell a dead writer's leftovers from a live one's."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._root = str(self.root)
+
+    def path(self, key: str) -> str:
+        """The file of `key`. A plain string: on the hot path pathlib costs more than
+        the syscalls. ValueError for a key that is not `<hex digest>/<hex block>`, so
+        no key can name a path outside the root."""
+        digest, block = split_key(key)
+        return f"{self._root}/{digest}/{block[:2]}/{block}{SUFFIX}"
+
+    def holds(self, key: str) -> bool:
+        """Whether `key`'s object is there (False for a malformed key)."""
+        try:
+            return os.path.isfile(self.path(key))
+        except ValueError:
+            return False
+
+    def digest_dir(self, digest: str) -> Path:
+        return self.root / digest
+
+    @staticmethod
+    def temp_path(path: str) -> str:
+        """The name an object is written under before its rename to `path`: the
+        writing process and thread, so concurrent writers of one key never share it."""
+        folder, name = os.path.split(path)
+        return f"{folder}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{name}"
+
+    @staticmethod
+    def temp_writer(name: str) -> int | None:
+        """The pid that wrote temp file `name`, or None when the name does not say."""
+        try:
+            pid = int(name[len(TMP_PREFIX) :].split("-")[0])
+        except ValueError:
+            return None
+        return pid if pid > 0 else None
+
+    @staticmethod
+    def block_of(name: str) -> str | None:
+        """The block hash (hex) object file `name` holds; None for a temp file or
+        anything else."""
+        if name.startswith(TMP_PREFIX) or not name.endswith(SUFFIX):
+            return None
+        return name[: -len(SUFFIX)]
+
+    def digests(self) -> list[str]:
+        """The rank digests with a folder under the root (links are not followed)."""
+        try:
+            with os.scandir(self.root) as entries:
+                return sorted(
+                    e.name for e in entries if _DIGEST_DIR.match(e.name) and e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            return []
+
+    def files(self, digest: str) -> Iterator[os.DirEntry]:
+        """Every file in `digest`'s fan-out folders: objects, temp files and strays.
+        A folder that cannot be read, or vanishes meanwhile, is passed over."""
+        with contextlib.suppress(OSError), os.scandir(self.digest_dir(digest)) as shards:
+            for shard in shards:
+                if not shard.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError), os.scandir(shard.path) as entries:
+                    yield from entries
+
+    def objects(self, digest: str) -> Iterator[tuple[str, os.DirEntry]]:
+        """(block hash hex, file) for each object of `digest`, temp files skipped."""
+        for entry in self.files(digest):
+            block = self.block_of(entry.name)
+            if block is not None:
+                yield block, entry
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Objects and bytes per rank digest under the root."""
+        found: dict[str, tuple[int, int]] = {}
+        for digest in self.digests():
+            objects = size = 0
+            for _, entry in self.objects(digest):
+                with contextlib.suppress(OSError):
+                    size += entry.stat(follow_symlinks=False).st_size
+                    objects += 1
+            found[digest] = (objects, size)
+        return found
+
+    def remove_digest(self, digest: str) -> int:
+        """Delete every file of `digest`; the number of objects there were."""
+        folder = self.digest_dir(digest)
+        if not folder.is_dir():
+            return 0
+        count = sum(1 for _ in self.objects(digest))
+        shutil.rmtree(folder, ignore_errors=True)
+        return count
 
 
 class DiskTier:
@@ -80,18 +188,13 @@ class DiskTier:
         self._usage = 0
         self._writing = 0  # bytes of writes in flight: counted against capacity too
         _make_private_dirs(str(self.root))
-        self._root = str(self.root)
+        self.layout = DiskLayout(self.root)
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
 
     # -- naming -------------------------------------------------------------
     def path_of(self, key: str) -> Path:
-        return Path(self._path(key))
-
-    def _path(self, key: str) -> str:
-        # A plain string on the hot path: pathlib costs more than the syscalls here.
-        digest, block = split_key(key)  # hex only: a key cannot name a path outside root
-        return f"{self._root}/{digest}/{block[:2]}/{block}{SUFFIX}"
+        return Path(self.layout.path(key))
 
     # -- index --------------------------------------------------------------
     def _reindex(self) -> None:
@@ -99,26 +202,24 @@ class DiskTier:
         clear temporary files left by processes that died mid-write."""
         found: list[tuple[float, str, int]] = []
         others = 0
-        for digest_dir in self.root.iterdir():
-            if not digest_dir.is_dir() or len(digest_dir.name) != 16:
-                continue
-            if self.digest is not None and digest_dir.name != self.digest:
+        for digest in self.layout.digests():
+            if self.digest is not None and digest != self.digest:
                 others += 1  # another rank's (or model's) objects: theirs to count and evict
                 continue
-            _close_folders(digest_dir)
-            for path in digest_dir.glob("*/*"):
-                name = path.name
-                if name.startswith(TMP_PREFIX):
-                    self._clear_stale_temp(path)
+            _close_folders(self.layout.digest_dir(digest))
+            for entry in self.layout.files(digest):
+                if entry.name.startswith(TMP_PREFIX):
+                    self._clear_stale_temp(entry)
                     continue
-                if not name.endswith(SUFFIX):
+                block = self.layout.block_of(entry.name)
+                if block is None:
                     continue
-                key = f"{digest_dir.name}/{name[: -len(SUFFIX)]}"
+                key = f"{digest}/{block}"
                 try:
                     split_key(key)
-                    stat = path.stat()
+                    stat = entry.stat()
                     if stat.st_mode & 0o077:  # left readable by a tiercache before 0600
-                        path.chmod(FILE_MODE)
+                        os.chmod(entry.path, FILE_MODE)
                 except (ValueError, OSError):
                     continue
                 found.append((stat.st_mtime, key, stat.st_size))
@@ -140,15 +241,12 @@ class DiskTier:
         self._evict_to(self.capacity)
 
     @staticmethod
-    def _clear_stale_temp(path: Path) -> None:
-        try:
-            pid = int(path.name[len(TMP_PREFIX) :].split("-")[0])
-        except ValueError:
-            pid = -1
-        if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
+    def _clear_stale_temp(entry: os.DirEntry) -> None:
+        pid = DiskLayout.temp_writer(entry.name)
+        if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
             return
         with contextlib.suppress(OSError):
-            path.unlink()
+            os.unlink(entry.path)
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -167,7 +265,7 @@ class DiskTier:
     def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
         """Write one object. False when it cannot be stored (full disk, no
         permission): a store is dropped, never an error for the caller."""
-        path = self._path(key)
+        path = self.layout.path(key)
         preamble = header.encode()
         size = len(preamble) + len(data)
         if size > self.capacity:
@@ -187,8 +285,8 @@ class DiskTier:
 
     def _put_reserved(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
         self._evict_to(self.capacity)
-        folder, name = os.path.split(path)
-        tmp = f"{folder}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{name}"
+        folder = os.path.dirname(path)
+        tmp = self.layout.temp_path(path)
         try:
             with timed(TIER, "put", len(data)):
                 try:
@@ -235,7 +333,7 @@ class DiskTier:
         """Read one object's pages straight into `out` and verify them (and, given
         `expect`, that they hold the reader's layers and shapes). A missing object is
         False; a corrupt or mismatched one is removed, counted, and False."""
-        path = self._path(key)
+        path = self.layout.path(key)
         try:
             with timed(TIER, "get", len(out)):
                 fd = os.open(path, os.O_RDONLY)
@@ -303,7 +401,7 @@ class DiskTier:
 
     def delete(self, key: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(key))
+            os.unlink(self.layout.path(key))
         return self._forget(key)
 
     def _forget(self, key: str) -> bool:
@@ -324,7 +422,7 @@ class DiskTier:
                     return
                 victim = next(iter(self._sizes))
             with contextlib.suppress(OSError):
-                os.unlink(self._path(victim))
+                os.unlink(self.layout.path(victim))
             if self._forget(victim):
                 TIER_EVICTIONS.labels(TIER).inc()
 
