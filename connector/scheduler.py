@@ -10,16 +10,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tiercache.config import TierCacheConfig
-from tiercache.engine import CPU, DISK, S3, ObjectShape
 from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
 from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
+from tiercache.object_shape import ObjectShape
+from tiercache.policy import BlockPolicy, CpuTierFull
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.tiers.cpu import CpuTierFull, SlotAllocator, slots_for
+from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk import DiskLayout
 
 from .ledger import ReportLedger
@@ -69,12 +71,16 @@ class TierCacheScheduler:
         self.model_digest = specs[0].model_digest()
         self.rank_digests = [spec.digest() for spec in specs]
         self.slot_bytes = slot_bytes_for(kv_cache_config)
-        self.slots = SlotAllocator(slots_for(config.cpu.capacity, self.slot_bytes), self.slot_bytes)
-        self.ready: set[bytes] = set()  # blocks whose CPU slot is filled on every rank
+        # Filled, ready and on disk mean: on every rank (see ledger.py).
+        self.policy = BlockPolicy(
+            slots_for(config.cpu.capacity, self.slot_bytes),
+            self.slot_bytes,
+            write_back=config.movers.policy == "write_back",
+        )
+        self.slots = self.policy.slots
         self.worker_count = worker_count
         # MLA: one shared object, written by rank 0 alone.
         self.disk_reporters = 1 if len(specs) == 1 and worker_count > 1 else worker_count
-        self.disk_view: OrderedDict[bytes, None] = OrderedDict()
         if config.disk is not None:
             self._scan_disk()
         self.redis: GuardedRedis | None = None
@@ -86,7 +92,6 @@ class TierCacheScheduler:
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[LoadJob] = []
-        self._pending_write_backs: list[tuple[bytes, int]] = []
         self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
         self.ledger = ReportLedger(worker_count, self.disk_reporters)
@@ -103,7 +108,7 @@ class TierCacheScheduler:
         common = set.intersection(*per_rank) if per_rank else set()
         for name in common:
             try:
-                self.disk_view[bytes.fromhex(name)] = None
+                self.policy.stored_on_disk(bytes.fromhex(name))
             except ValueError:
                 continue
         if common:
@@ -146,22 +151,13 @@ class TierCacheScheduler:
         the old objects are never looked up again, the disk tier's LRU and S3's GC
         reclaim them."""
         self._weights_epoch = secrets.token_bytes(16)
-        self.ready.clear()
-        self.slots.clear()  # a slot still pinned by a transfer is freed on its release
-        self.disk_view.clear()
+        self.policy.clear()
         self.ledger.forget_disk()
         self._lookups.clear()
         log.info("tiercache: cache reset (new weights epoch): earlier blocks are no longer served")
         return True
 
     # -- lookup -------------------------------------------------------------------
-    def _local_tier(self, block_hash: bytes) -> str | None:
-        if block_hash in self.ready:
-            return CPU
-        if block_hash in self.disk_view:
-            return DISK
-        return None
-
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         hashes = self._block_keys(request)
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -174,7 +170,7 @@ class TierCacheScheduler:
         else:
             tiers = []
             for i in range(first, limit):
-                tier = self._local_tier(hashes[i])
+                tier = self.policy.local_tier(bytes(hashes[i]))
                 if tier is None:
                     break
                 tiers.append(tier)
@@ -202,7 +198,7 @@ class TierCacheScheduler:
         # This hit pins its own CPU blocks too; those a transfer already pins (a
         # write-through still running) are not in unpinned() to begin with.
         cpu_blocks = [bytes(h) for h, tier in zip(hashes, tiers, strict=True) if tier == CPU]
-        room = self.slots.unpinned() - self.slots.unpinned_among(cpu_blocks)
+        room = self.policy.room_for_staging(cpu_blocks)
         needed = 0
         for i, tier in enumerate(tiers):
             if tier != CPU:
@@ -256,39 +252,28 @@ class TierCacheScheduler:
         the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it.
         Only an async load (`may_stage`) may fall back from the CPU tier to disk."""
         if tier == CPU:
-            slot = self.slots.pin(block_hash)
-            if slot is not None and block_hash in self.ready:
-                return BlockOp(block_hash, gpu_block, slot, CPU)
+            slot = self.policy.pin_ready(block_hash)
             if slot is not None:
-                self.slots.unpin(slot)
-            tier = DISK if may_stage and block_hash in self.disk_view else ""
+                return BlockOp(block_hash, gpu_block, slot, CPU)
+            tier = DISK if may_stage and block_hash in self.policy.on_disk else ""
         if not tier:
             return BlockOp(block_hash, gpu_block, -1, "")
         if block_hash in self.slots:  # a store or another load is filling it right now
             return BlockOp(block_hash, gpu_block, -1, "")
         try:
-            slot = self._allocate(block_hash)
+            slot = self.policy.claim(block_hash)
         except CpuTierFull:
             return BlockOp(block_hash, gpu_block, -1, "")
         return BlockOp(block_hash, gpu_block, slot, tier)
 
-    def _allocate(self, block_hash: bytes) -> int:
-        slot, evicted = self.slots.allocate(block_hash)
-        if evicted is not None:
-            self.ready.discard(evicted)
-            if self.config.movers.policy == "write_back" and evicted not in self.disk_view:
-                self._pending_write_backs.append((evicted, slot))
-        return slot
-
     # -- each step ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> TierCacheMetadata:
         meta = TierCacheMetadata(
-            write_backs=self._pending_write_backs,
+            write_backs=self.policy.take_write_backs(),
             loads=self._pending_loads,
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._pending_write_backs = []
         self._pending_loads = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -308,8 +293,7 @@ class TierCacheScheduler:
                 state.block_ids.extend(new_ids[0])
             self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
         # Write-backs found while planning stores this step still precede them.
-        meta.write_backs.extend(self._pending_write_backs)
-        self._pending_write_backs = []
+        meta.write_backs.extend(self.policy.take_write_backs())
         # A lookup holds only until the step it was made for is planned.
         self._lookups.clear()
         self._hit_tiers.clear()
@@ -323,10 +307,10 @@ class TierCacheScheduler:
             limit = min(limit, request.num_prompt_tokens // self.block_size)
         for i in range(state.next_block, limit):
             block_hash = self._block_key(request.block_hashes[i])
-            if block_hash in self.slots or block_hash in self.disk_view:
+            if block_hash in self.slots or block_hash in self.policy.on_disk:
                 continue
             try:
-                slot = self._allocate(block_hash)
+                slot = self.policy.claim(block_hash)
             except CpuTierFull:
                 self.stats["store_dropped"] += 1
                 break
@@ -345,25 +329,23 @@ class TierCacheScheduler:
     def _on_report(self, rank: int, kind: str, value) -> None:
         if kind == RELEASED:
             for _ in range(self.ledger.release(rank, value)):
-                self.slots.unpin(value)
+                self.policy.release(value)
         elif kind == FILLED:
             block_hash, slot = value
-            if self.slots.slot_of(block_hash) != slot:
+            if not self.policy.holds(block_hash, slot):
                 self.ledger.end_fill(block_hash, slot)  # that fill ended: the report is stale
             elif self.ledger.fill(rank, block_hash, slot):
-                self.ready.add(block_hash)
+                self.policy.filled(block_hash, slot)
         elif kind == FILL_FAILED:
             block_hash, slot = value
             self.ledger.end_fill(block_hash, slot)
-            if self.slots.slot_of(block_hash) == slot:
-                self.ready.discard(block_hash)
-                self.slots.remove(block_hash)
+            self.policy.fill_failed(block_hash, slot)
         elif kind == ON_DISK:
             if self.ledger.stored_on_disk(rank, value):
-                self.disk_view[value] = None
+                self.policy.stored_on_disk(value)
         elif kind == OFF_DISK:
             self.ledger.gone_from_disk(rank, value)
-            self.disk_view.pop(value, None)
+            self.policy.gone_from_disk(value)
 
     def request_finished(self, request) -> tuple[bool, None]:
         # Stores copy out of the paged KV before the step ends: nothing to hold.

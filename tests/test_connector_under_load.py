@@ -57,7 +57,7 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
     sched = make_scheduler(disk=DISK)
     first, second = request("r1", 3), request("r2", 3)
     for h in first.block_hashes:
-        sched.disk_view[bytes(h)] = None
+        sched.policy.on_disk[bytes(h)] = None
     for req, gpu in ((first, [1, 2, 3, 4]), (second, [5, 6, 7, 8])):
         assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
         sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
@@ -80,11 +80,11 @@ def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup
         h = bytes(h)
         slot, _ = sched.slots.allocate(h)
         sched.slots.unpin(slot)
-        sched.ready.add(h)
-        sched.disk_view[h] = None
+        sched.policy.ready.add(h)
+        sched.policy.on_disk[h] = None
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
     evicted = bytes(req.block_hashes[1])  # by another request's store since the lookup
-    sched.ready.discard(evicted)
+    sched.policy.ready.discard(evicted)
     sched.slots.remove(evicted)
     sched.update_state_after_alloc(req, blocks_of([4, 5, 6]), 2 * BLOCK)
     (job,) = sched.build_connector_meta(idle_output()).loads

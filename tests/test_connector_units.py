@@ -217,14 +217,14 @@ def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     (job,) = sched.build_connector_meta(output()).loads
     assert job.is_async and [op.tier for op in job.ops] == ["disk", "disk"]
     report(sched, (FILL_FAILED, (hashes[0], job.ops[0].slot)), filled(job.ops[1]))
-    assert hashes[0] not in sched.slots and hashes[1] in sched.ready
+    assert hashes[0] not in sched.slots and hashes[1] in sched.policy.ready
 
 
 def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():
     sched = make_scheduler(capacity_slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     req = request("r1", 6)
     for h in req.block_hashes:  # all six blocks on disk, none in the CPU tier
-        sched.disk_view[bytes(h)] = None
+        sched.policy.on_disk[bytes(h)] = None
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)  # 4 slots, 4 blocks
     held = [sched.slots.allocate(f"busy{i}")[0] for i in range(3)]  # 3 slots mid-transfer
     assert sched.get_num_new_matched_tokens(req, 0) == (1 * BLOCK, True)
@@ -244,9 +244,9 @@ def test_cpu_blocks_a_write_through_pins_are_not_counted_twice_against_the_room(
     hashes = [bytes(h) for h in req.block_hashes]
     for h in hashes[:2]:  # stored by an earlier request, still being written down
         sched.slots.allocate(h)
-        sched.ready.add(h)
+        sched.policy.ready.add(h)
     for h in hashes[2:4]:
-        sched.disk_view[h] = None
+        sched.policy.on_disk[h] = None
     # Two slots are free for the two disk blocks: the whole prefix is a hit.
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
 

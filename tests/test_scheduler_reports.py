@@ -111,13 +111,13 @@ def test_a_fill_left_over_from_a_failed_fill_never_marks_a_later_fill_ready():
     report(sched, 0, (FILLED, (block, first.slot)))
     report(sched, 1, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot))
     report(sched, 0, (RELEASED, first.slot))
-    assert block not in sched.slots and block not in sched.ready
+    assert block not in sched.slots and block not in sched.policy.ready
     (second,) = store(sched, request("r2", [block]), [5, 6]).stores
     report(sched, 0, (FILLED, (block, second.slot)))
-    assert block not in sched.ready  # rank 1 has not copied it yet
+    assert block not in sched.policy.ready  # rank 1 has not copied it yet
     assert sched.get_num_new_matched_tokens(request("r3", [block]), 0) == (0, False)
     report(sched, 1, (FILLED, (block, second.slot)))
-    assert block in sched.ready
+    assert block in sched.policy.ready
 
 
 def test_a_late_fill_of_a_block_that_moved_to_another_slot_is_ignored():
@@ -129,23 +129,23 @@ def test_a_late_fill_of_a_block_that_moved_to_another_slot_is_ignored():
     assert second.slot != first.slot  # the first slot is still pinned by rank 0
     report(sched, 0, (FILLED, (block, first.slot)), (RELEASED, first.slot))  # rank 0, late
     report(sched, 1, (FILLED, (block, second.slot)))
-    assert block not in sched.ready
+    assert block not in sched.policy.ready
     report(sched, 0, (FILLED, (block, second.slot)))
-    assert block in sched.ready and sched.slots._pins == {second.slot: 1}  # the store's own pin
+    assert block in sched.policy.ready and sched.slots._pins == {second.slot: 1}  # the store's own pin
 
 
 def test_disk_presence_is_counted_per_rank():
     sched = make_scheduler(tp=2, slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     block = b"d" * 32
     report(sched, 0, (ON_DISK, block), (ON_DISK, block))  # rank 0 wrote it twice
-    assert block not in sched.disk_view
+    assert block not in sched.policy.on_disk
     report(sched, 1, (ON_DISK, block))
-    assert block in sched.disk_view
+    assert block in sched.policy.on_disk
     report(sched, 0, (OFF_DISK, block))
     report(sched, 0, (ON_DISK, block))  # rank 0 again: rank 1 still holds its copy
-    assert block in sched.disk_view
+    assert block in sched.policy.on_disk
     report(sched, 1, (OFF_DISK, block))
-    assert block not in sched.disk_view
+    assert block not in sched.policy.on_disk
 
 
 def test_the_ledger_keeps_nothing_once_every_rank_reported():
@@ -339,7 +339,7 @@ def test_hits_are_split_by_the_tier_that_holds_them():
     ops = store(sched, request("r1", blocks[:2]), [1, 2, 3]).stores
     report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])
     report(sched, 0, *[(RELEASED, op.slot) for op in ops])
-    sched.disk_view[blocks[2]] = None
+    sched.policy.on_disk[blocks[2]] = None
     hit = request("r2", blocks)
     assert sched.get_num_new_matched_tokens(hit, 0) == (3 * BLOCK, True)
     sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 3 * BLOCK)
@@ -355,7 +355,7 @@ def test_after_a_cache_reset_no_block_computed_before_is_served():
     blocks = [bytes([i]) * 32 for i in range(2)]
     ops = store(sched, request("r1", blocks), [1, 2, 3]).stores
     report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])  # write-downs still pin
-    sched.disk_view[blocks[0]] = None
+    sched.policy.on_disk[blocks[0]] = None
     assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (2 * BLOCK, False)
 
     assert sched.reset_cache() is True

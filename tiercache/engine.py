@@ -21,56 +21,20 @@ from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
+from tiercache.object_shape import ObjectShape
+from tiercache.policy import BlockPolicy
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
-from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
+from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.format import ObjectHeader, PageShape, checksum, sign
+from tiercache.tiers.format import ObjectHeader
 from tiercache.tiers.s3 import Fetch, S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
 
 log = logging.getLogger(__name__)
 
-DISK, S3, CPU = "disk", "s3", "cpu"
-
-
-@dataclass(frozen=True)
-class ObjectShape:
-    """What every object of one rank looks like: written into each object's header."""
-
-    model_digest: str
-    rank_digest: str
-    slot_bytes: int
-    layout: str = ""
-    dtype: str = ""
-    shapes: str = ""
-
-    def key(self, block_hash: bytes) -> str:
-        return f"{self.rank_digest}/{block_hash.hex()}"
-
-    def header(self, block_hash: bytes, data: memoryview, integrity_key: bytes | None = None) -> ObjectHeader:
-        """The header of the object holding `data`, signed when given an integrity key."""
-        plain = ObjectHeader(
-            key=self.key(block_hash),
-            namespace_digest=self.rank_digest,
-            nbytes=len(data),
-            checksum=checksum(data),
-            layout=self.layout,
-            dtype=self.dtype,
-            shapes=self.shapes,
-        )
-        return sign(plain, data, integrity_key)
-
-    @property
-    def pages(self) -> PageShape:
-        """What a read must find in an object's header to be served into this shape."""
-        return PageShape(self.layout, self.dtype, self.shapes)
-
-    @property
-    def object_bytes(self) -> int:
-        probe = ObjectHeader("0" * 16 + "/" + "0" * 64, self.rank_digest, self.slot_bytes, "0" * 16)
-        return probe.data_offset + self.slot_bytes
 
 
 @dataclass
@@ -375,9 +339,10 @@ class TierEngine:
 
 
 class LocalTierCache:
-    """A whole single-process tier cache over one TierEngine: its own slot allocator,
-    write-through or write-back, promote on hit. Used by the benchmarks, tests and
-    tools; the vLLM connector splits the same parts between scheduler and workers."""
+    """A whole single-process tier cache over one TierEngine, deciding as the vLLM
+    connector's scheduler does (`policy.BlockPolicy`: slots, eviction, write-back,
+    promotion) but copying itself, so a fill is complete when `put` returns. Used by
+    the soak, the tier benchmark, tests and tools."""
 
     def __init__(
         self,
@@ -391,67 +356,75 @@ class LocalTierCache:
         self.config = config
         self.shape = shape
         num_slots = slots_for(config.cpu.capacity, shape.slot_bytes)
-        self.slots = SlotAllocator(num_slots, shape.slot_bytes)
+        write_back = config.movers.policy == "write_back"
+        self.policy = BlockPolicy(num_slots, shape.slot_bytes, write_back=write_back)
+        self.slots = self.policy.slots
         self.buffer = CpuBuffer(num_slots, shape.slot_bytes, pin_memory=pin_memory)
         self.engine = TierEngine(config, shape, self.buffer, redis=redis, s3=s3)
-        self.write_back = config.movers.policy == "write_back"
 
-    def _release(self, result: WriteResult) -> None:
+    def _after_write(self, result: WriteResult) -> None:
+        if result.stored.get(DISK):
+            self.policy.stored_on_disk(result.block_hash)
         if result.slot is not None:
-            self.slots.unpin(result.slot)
+            self.policy.release(result.slot)
 
-    def _allocate(self, key: str) -> int:
-        slot, evicted = self.slots.allocate(key)
-        if evicted is not None and self.write_back:
+    def _claim(self, block_hash: bytes) -> int:
+        slot = self.policy.claim(block_hash)
+        for victim, victim_slot in self.policy.take_write_backs():
             # Write-back: the victim goes down now, from a copy, since its slot is reused.
-            victim = bytes.fromhex(evicted.split("/")[1])
-            self.engine.write_down(victim, None, lambda r: None, data=bytes(self.buffer.view(slot)))
+            data = bytes(self.buffer.view(victim_slot))
+            self.engine.write_down(victim, None, self._after_write, data=data)
         return slot
 
     def put(self, block_hash: bytes, data: bytes | memoryview) -> int | None:
         """Store one block; returns its CPU slot, or None when every slot is busy with
         a transfer (the store is dropped, not waited for). Lower tiers follow per the
         policy."""
-        key = self.shape.key(block_hash)
-        existing = self.slots.pin(key)
+        existing = self.slots.slot_of(block_hash)
         if existing is not None:
-            self.slots.unpin(existing)
             return existing
         try:
-            slot = self._allocate(key)
+            slot = self._claim(block_hash)
         except CpuTierFull:
             MOVER_DROPPED.labels(CPU).inc()
             return None
+        except KeyError:  # another thread is storing it right now
+            return self.slots.slot_of(block_hash)
         self.buffer.view(slot)[:] = data
-        if self.write_back:
-            self.slots.unpin(slot)
+        self.policy.filled(block_hash, slot)
+        if self.policy.write_back:
+            self.policy.release(slot)
         else:
-            self.engine.write_down(block_hash, slot, self._release)
+            self.engine.write_down(block_hash, slot, self._after_write)
         return slot
 
     def get(self, block_hash: bytes) -> tuple[str, memoryview] | None:
         """Find a block in the fastest tier that has it; a lower-tier hit is promoted
         into a CPU slot. Returns (tier it came from, the slot's bytes) or None."""
-        key = self.shape.key(block_hash)
-        slot = self.slots.pin(key)
+        slot = self.policy.pin_ready(block_hash)
         if slot is not None:
-            self.slots.unpin(slot)
+            self.policy.release(slot)
             LOOKUP_HITS.labels(CPU).inc()
             return CPU, self.buffer.view(slot)
+        if self.policy.filling(block_hash):
+            return None  # another thread is copying it in right now
         try:
-            slot = self._allocate(key)
+            slot = self._claim(block_hash)
         except CpuTierFull:
             return self._get_unpromoted(block_hash)
+        except KeyError:  # another thread claimed it just now
+            return None
         for tier in (DISK, S3):
             if self.engine.stage(block_hash, slot, tier):
                 LOOKUP_HITS.labels(tier).inc()
-                if tier == S3 and self.engine.disk is not None and not self.write_back:
-                    self.engine.write_down(block_hash, slot, self._release, tiers=(DISK,))
+                self.policy.filled(block_hash, slot)
+                if self.policy.promotes_to_disk(tier, self.engine.disk is not None):
+                    self.engine.write_down(block_hash, slot, self._after_write, tiers=(DISK,))
                 else:
-                    self.slots.unpin(slot)
+                    self.policy.release(slot)
                 return tier, self.buffer.view(slot)
-        self.slots.unpin(slot)
-        self.slots.remove(key)
+        self.policy.fill_failed(block_hash, slot)
+        self.policy.release(slot)
         return None
 
     def _get_unpromoted(self, block_hash: bytes) -> tuple[str, memoryview] | None:

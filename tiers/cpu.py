@@ -20,8 +20,9 @@ from multiprocessing import shared_memory
 import torch
 
 from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
+from tiercache.tiers import CPU
 
-TIER = "cpu"
+TIER = CPU
 ALIGN = 4096
 SHM_DIR = "/dev/shm"
 # Shared segments are named for their owner: tiercache-<pid namespace>-<pid>-<random>.

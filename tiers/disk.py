@@ -21,6 +21,7 @@ from stat import S_IMODE
 
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
+from tiercache.tiers import DISK
 from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
@@ -33,7 +34,7 @@ from tiercache.tiers.format import (
 )
 
 log = logging.getLogger(__name__)
-TIER = "disk"
+TIER = DISK
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 # KV bytes can be inverted into the prompts that made them: objects, temp files and

@@ -15,6 +15,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_ERRORS, timed
+from tiercache.tiers import S3
 from tiercache.tiers.format import (
     CorruptObject,
     ObjectHeader,
@@ -26,7 +27,7 @@ from tiercache.tiers.format import (
 )
 
 log = logging.getLogger(__name__)
-TIER = "s3"
+TIER = S3
 SUFFIX = ".safetensors"
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 

@@ -1,0 +1,116 @@
+"""The cache policy of one node: which CPU slot holds which block, which blocks are
+ready to be read, which the node's disk tier holds, what an eviction writes back and
+what a hit promotes. One class, so that the path vLLM runs (the connector's scheduler
+half, which learns of copies through worker reports) and the single-process cache
+the soak, the tier benchmark and the tools drive (`engine.LocalTierCache`, which
+copies itself) decide alike.
+
+A block is named by its hash (bytes). A slot is pinned while anything copies into or
+out of it; a pinned slot is never evicted or handed to another block. A block counts
+as ready only once its slot is filled (on every rank, in vLLM): a block whose slot is
+taken but not filled is neither a hit nor worth storing again."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers.cpu import CpuTierFull, SlotAllocator
+
+__all__ = ["BlockPolicy", "CpuTierFull"]
+
+
+class BlockPolicy:
+    def __init__(self, num_slots: int, slot_bytes: int, *, write_back: bool):
+        self.slots = SlotAllocator(num_slots, slot_bytes)
+        self.write_back = write_back
+        self.ready: set[bytes] = set()  # blocks whose CPU slot is filled
+        self.on_disk: OrderedDict[bytes, None] = OrderedDict()  # blocks the node's disk holds
+        self._write_backs: list[tuple[bytes, int]] = []
+
+    # -- where a block is -------------------------------------------------------------
+    def local_tier(self, block: bytes) -> str | None:
+        if block in self.ready:
+            return CPU
+        if block in self.on_disk:
+            return DISK
+        return None
+
+    def filling(self, block: bytes) -> bool:
+        """A store or a staging holds a slot for it that is not filled yet."""
+        return block in self.slots and block not in self.ready
+
+    # -- slots --------------------------------------------------------------------------
+    def pin_ready(self, block: bytes) -> int | None:
+        """Pin a ready block's slot for a read (a CPU hit); None if it is not ready."""
+        slot = self.slots.pin(block)
+        if slot is None:
+            return None
+        if block not in self.ready:
+            self.slots.unpin(slot)
+            return None
+        return slot
+
+    def claim(self, block: bytes) -> int:
+        """A pinned slot to fill with `block` (a store, or a staging from a lower
+        tier). Evicts the least recently used unpinned block; under write-back a victim
+        the disk does not hold yet is queued to be written down before the slot is
+        refilled (`take_write_backs`). Raises CpuTierFull when every slot is pinned."""
+        slot, evicted = self.slots.allocate(block)
+        if evicted is not None:
+            self.ready.discard(evicted)
+            if self.write_back and evicted not in self.on_disk:
+                self._write_backs.append((evicted, slot))
+        return slot
+
+    def take_write_backs(self) -> list[tuple[bytes, int]]:
+        victims, self._write_backs = self._write_backs, []
+        return victims
+
+    def release(self, slot: int) -> None:
+        """One copy into or out of `slot` is over."""
+        self.slots.unpin(slot)
+
+    def room_for_staging(self, cpu_blocks: list[bytes]) -> int:
+        """Slots a hit may stage lower-tier blocks into: those no transfer holds, less
+        the ones its own CPU blocks are about to pin."""
+        return self.slots.unpinned() - self.slots.unpinned_among(cpu_blocks)
+
+    # -- fills ----------------------------------------------------------------------------
+    def holds(self, block: bytes, slot: int) -> bool:
+        """`slot` is (still) the one `block` is being filled into or sits in."""
+        return self.slots.slot_of(block) == slot
+
+    def filled(self, block: bytes, slot: int) -> bool:
+        """The copy of `block` into `slot` is complete; False if that fill is stale
+        (the block failed or moved since)."""
+        if not self.holds(block, slot):
+            return False
+        self.ready.add(block)
+        return True
+
+    def fill_failed(self, block: bytes, slot: int) -> None:
+        """The block could not be copied in: forget it (the slot is freed on its last
+        release)."""
+        if self.holds(block, slot):
+            self.ready.discard(block)
+            self.slots.remove(block)
+
+    # -- the disk tier ----------------------------------------------------------------------
+    def stored_on_disk(self, block: bytes) -> None:
+        self.on_disk[block] = None
+
+    def gone_from_disk(self, block: bytes) -> None:
+        self.on_disk.pop(block, None)
+
+    def promotes_to_disk(self, tier: str, has_disk: bool) -> bool:
+        """A hit from S3 is kept on the node's disk too (it is staged in the CPU tier
+        either way). Under write-back the disk gets it when the CPU tier evicts it."""
+        return tier == S3 and has_disk and not self.write_back
+
+    def clear(self) -> None:
+        """Forget everything: a slot still pinned by a transfer is freed on its release."""
+        self.ready.clear()
+        self.slots.clear()
+        self.on_disk.clear()
+        self._write_backs = []
