@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.config import ConfigError, build_config
-from tiercache.engine import CPU, DISK, S3
+from tiercache.tiers import CPU, DISK, S3
 
 from .metadata import TierCacheMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for

@@ -660,3 +660,21 @@ def test_s3_object_opens_with_safetensors(s3_tier, tmp_path):
         assert f.metadata()["key"] == key_of(8)
         assert f.metadata()["namespace_digest"] == DIGEST
         assert f.get_tensor("kv").tobytes() == data
+
+
+def test_disk_and_s3_tiers_are_object_tiers_of_one_shape(tmp_path, s3_tier):
+    """The tier engine holds both through one protocol: the same calls, the same answers."""
+    from tiercache.tiers.base import ObjectTier
+
+    disk = DiskTier(tmp_path, 1 << 20)
+    key = "0" * 16 + "/" + "ab" * 32
+    data = memoryview(bytes(range(256)) * 16)
+    header = ObjectHeader(key, "0" * 16, len(data), checksum(data))
+    for tier, name in ((disk, "disk"), (s3_tier, "s3")):
+        assert isinstance(tier, ObjectTier) and tier.name == name
+        assert not tier.contains(key)
+        assert tier.put(key, data, header) and tier.contains(key)
+        out = bytearray(len(data))
+        assert tier.get_into(key, memoryview(out)) and bytes(out) == bytes(data)
+        assert tier.delete(key) and not tier.contains(key)
+        tier.close()

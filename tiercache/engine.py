@@ -27,6 +27,7 @@ from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader
@@ -115,6 +116,12 @@ class TierEngine:
                         background_nice(),
                     )
                 )
+        # The object tiers this engine has, fastest first, and how each is read: the
+        # disk directly, S3 under a read lease that keeps GC off the object.
+        self.lower: dict[str, ObjectTier] = {
+            tier.name: tier for tier in (self.disk, self.s3) if tier is not None
+        }
+        self._readers = {DISK: self._read_disk, S3: self._download}
         movers = config.movers
         # Write-down is background work: off the model's cores, at a lower priority.
         self._movers = ThreadPoolExecutor(
@@ -170,9 +177,7 @@ class TierEngine:
         slot goes to disk only: its S3 write is dropped, counted, and reported as not
         stored."""
         result = WriteResult(block_hash, slot)
-        tiers = tuple(
-            t for t in tiers if (t == DISK and self.disk is not None) or (t == S3 and self.s3 is not None)
-        )
+        tiers = tuple(t for t in tiers if t in self.lower)
         if not tiers:
             on_done(result)
             return True
@@ -254,14 +259,12 @@ class TierEngine:
         return self.read_into(block_hash, self.buffer.view(slot), tier)
 
     def read_into(self, block_hash: bytes, out: memoryview, tier: str) -> bool:
-        key = self.shape.key(block_hash)
-        if tier == DISK and self.disk is not None:
-            ok = self.disk.get_into(key, out, self.shape.pages)
-        elif tier == S3 and self.s3 is not None:
-            ok = self._download(block_hash, key, out)
-        else:
-            ok = False
-        return ok
+        if tier not in self.lower:
+            return False
+        return self._readers[tier](block_hash, self.shape.key(block_hash), out)
+
+    def _read_disk(self, block_hash: bytes, key: str, out: memoryview) -> bool:
+        return self.disk.get_into(key, out, self.shape.pages)
 
     def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
         model, rank = self.shape.model_digest, self.shape.rank_digest
@@ -414,7 +417,7 @@ class LocalTierCache:
             return self._get_unpromoted(block_hash)
         except KeyError:  # another thread claimed it just now
             return None
-        for tier in (DISK, S3):
+        for tier in self.engine.lower:
             if self.engine.stage(block_hash, slot, tier):
                 LOOKUP_HITS.labels(tier).inc()
                 self.policy.filled(block_hash, slot)
@@ -430,7 +433,7 @@ class LocalTierCache:
     def _get_unpromoted(self, block_hash: bytes) -> tuple[str, memoryview] | None:
         """Every slot is busy: read into a fresh buffer without promoting."""
         out = memoryview(bytearray(self.shape.slot_bytes))
-        for tier in (DISK, S3):
+        for tier in self.engine.lower:
             if self.engine.read_into(block_hash, out, tier):
                 return tier, out
         return None

@@ -193,6 +193,8 @@ class DiskTier:
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
 
+    name = TIER
+
     # -- naming -------------------------------------------------------------
     def path_of(self, key: str) -> Path:
         return Path(self.layout.path(key))
@@ -426,6 +428,13 @@ class DiskTier:
                 os.unlink(self.layout.path(victim))
             if self._forget(victim):
                 TIER_EVICTIONS.labels(TIER).inc()
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def close(self) -> None:
+        """Nothing is held open between calls: every write and read opens its file."""
 
     def touch(self, key: str) -> None:
         with self._lock:

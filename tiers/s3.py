@@ -144,6 +144,15 @@ class S3Tier:
             log.warning("s3 tier: get of %s broke off: %s", key, error)
             return Fetch.UNAVAILABLE
 
+    name = TIER
+
+    def contains(self, key: str) -> bool:
+        """Whether the object is in the bucket (one HEAD; False when S3 does not answer)."""
+        try:
+            return self.exists(key)
+        except (BotoCoreError, ClientError):
+            return False
+
     def exists(self, key: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.object_name(key))
