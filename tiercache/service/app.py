@@ -1,0 +1,102 @@
+"""The service as an ASGI app, built from the probes, cache and admin routers, and
+`serve`, which runs it on uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from tiercache import __version__
+from tiercache.config import TierCacheConfig, redact_url
+from tiercache.service import admin, cache, probes
+from tiercache.service.admin import ADMIN_TOKEN_ENV
+from tiercache.service.collector import ServiceCollector
+from tiercache.service.http import MAX_BODY_BYTES, BodyLimit, add_error_handlers
+from tiercache.service.state import ServiceState
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """
+The tiercache service: health and readiness probes, Prometheus metrics, cache stats,
+a prefix lookup for request routers, and admin operations (namespace flush, S3 GC).
+
+Admin endpoints need `Authorization: Bearer <TIERCACHE_ADMIN_TOKEN>`: without the
+header they answer 401, with a wrong token 403, and while the service has no token
+configured, always 403.
+"""
+
+TAGS = [
+    {"name": "probes", "description": "Liveness, readiness and Prometheus metrics."},
+    {"name": "cache", "description": "What the cache holds, and lookups for request routers."},
+    {"name": "admin", "description": "Operations that delete data. Bearer token required."},
+]
+
+
+def create_app(
+    config: TierCacheConfig,
+    admin_token: str | None = None,
+    *,
+    gc_interval: float = 0.0,
+) -> FastAPI:
+    """The service as an ASGI app. `admin_token` guards the admin endpoints (None:
+    they are refused); `gc_interval` > 0 runs the S3 GC on that period while the app
+    is up (between lifespan startup and shutdown), when S3 is configured."""
+    state = ServiceState(config, admin_token, gc_interval)
+    metrics_registry = CollectorRegistry(auto_describe=False)
+    metrics_registry.register(ServiceCollector(state))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start()
+        try:
+            yield
+        finally:
+            state.close()
+
+    app = FastAPI(
+        title="tiercache",
+        version=__version__,
+        description=DESCRIPTION,
+        openapi_tags=TAGS,
+        lifespan=lifespan,
+    )
+    app.state.tiercache = state
+    app.state.metrics_registry = metrics_registry
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    add_error_handlers(app)
+    for router in (probes.router, cache.router, admin.router):
+        app.include_router(router)
+    return app
+
+
+def serve(
+    config: TierCacheConfig,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    gc_interval: float = 60.0,
+) -> None:
+    """Run the service on uvicorn until SIGINT/SIGTERM. The admin token comes from
+    TIERCACHE_ADMIN_TOKEN; log level from TIERCACHE_LOG_LEVEL (default INFO)."""
+    import uvicorn
+
+    level = os.environ.get("TIERCACHE_LOG_LEVEL", "INFO").upper()
+    if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"):
+        level = "INFO"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if token is None:
+        log.warning("%s is unset: the admin endpoints answer 403", ADMIN_TOKEN_ENV)
+    log.info(
+        "tiercache service on %s:%d (namespace %r, redis %s, s3 %s)",
+        host,
+        port,
+        config.namespace,
+        redact_url(config.redis_url) if config.redis_url else "off",
+        f"bucket {config.s3.bucket}" if config.s3 else "off",
+    )
+    app = create_app(config, admin_token=token, gc_interval=gc_interval)
+    uvicorn.run(app, host=host, port=port, log_level=level.lower(), proxy_headers=False)
