@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tiercache.config import build_config
     from tiercache.engine import LocalTierCache, ObjectShape
-    from tiercache.gc import run_gc
     from tiercache.index import Deployment
+    from tiercache.s3_gc import run_gc
     from tiercache.testing.servers import local_stack
 
     work = Path(tempfile.mkdtemp(prefix="tiercache-soak-"))

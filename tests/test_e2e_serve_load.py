@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tiercache.testing.faults import TcpProxy
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import create_bucket
 from tiercache.testing.serving import (
@@ -35,6 +34,8 @@ from tiercache.testing.serving import (
     write_word_tokenizer,
 )
 from tiercache.testing.vllm_runner import connector_config
+
+from support.faults import TcpProxy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

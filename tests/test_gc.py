@@ -9,9 +9,9 @@ import uuid
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.gc import flush_namespace, run_gc
 from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.leases import Leases, new_token
+from tiercache.s3_gc import flush_namespace, run_gc
 from tiercache.tiers.s3 import S3Tier, make_client
 
 SLOT = 4096
@@ -372,7 +372,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
 
     redis.client.flushall()  # no persistence, a failover to an empty replica...
     before = refusals()
-    with caplog.at_level("WARNING", logger="tiercache.gc"):
+    with caplog.at_level("WARNING", logger="tiercache.s3_gc"):
         report = run_gc(config, now=time.time() + 3600)
     assert report["orphans"]["deleted"] == 0
     assert report["orphans"]["refused"]
@@ -380,7 +380,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
     assert refusals() == before + 1
     assert any("62" in r.getMessage() and "refus" in r.getMessage() for r in caplog.records)
 
-    from tiercache.gc import reindex
+    from tiercache.s3_reindex import reindex
 
     rebuilt = reindex(config)
     assert rebuilt["errors"] == []

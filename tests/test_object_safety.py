@@ -266,7 +266,7 @@ def test_a_mac_covers_the_header_as_well_as_the_pages(tmp_path):
 def test_inspect_checks_the_mac_given_the_key(tmp_path):
     from rich.console import Console
 
-    from tiercache.inspect import inspect_file
+    from tiercache.object_info import inspect_file
 
     tier = DiskTier(tmp_path, 1 << 20)
     signed, unsigned, data = new_key(), new_key(), payload(6)

@@ -16,6 +16,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = {"tiercache": "tiercache", "tiers": "tiercache/tiers", "connector": "tiercache/connector"}
+# What `tiercache demo` and `tiercache bench` import from the package's local stack.
+PRODUCT_TESTING = (
+    "tiercache/testing/servers.py",
+    "tiercache/testing/model.py",
+    "tiercache/testing/vllm_runner.py",
+)
 
 _PROBE = """
 import importlib, importlib.util, json, sys
@@ -105,6 +111,10 @@ def test_wheel_contents(wheel):
     assert {"tiercache/tiers/disk.py", "tiercache/tiers/s3.py", "tiercache/connector/__init__.py"} <= modules
     missing = _source_files() - modules
     assert not missing, f"source modules left out of the wheel: {sorted(missing)}"
+    # `tiercache demo` and `tiercache bench` start a local stack from the wheel alone;
+    # helpers only tests use (tests/support/) stay out of it.
+    assert set(PRODUCT_TESTING) <= modules
+    assert not any(n.startswith("tiercache/testing/faults") or "/support/" in n for n in names)
     roots = {n.split("/")[0] for n in names}
     assert roots == {"tiercache", dist_info}
     assert not any(n.startswith(("tiers/", "connector/")) for n in names)

@@ -17,8 +17,9 @@ from tiercache.engine import S3, ObjectShape, TierEngine
 from tiercache.index import Deployment, RedisIndex, index_key
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.testing.faults import RedisClusterServers, block_payload
 from tiercache.tiers.cpu import CpuBuffer
+
+from support.faults import RedisClusterServers, block_payload
 
 pytestmark = pytest.mark.slow
 SETTINGS = RedisConfig(retry_backoff=0.1, max_backoff=0.2, socket_timeout=1, connect_timeout=1)

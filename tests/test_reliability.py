@@ -27,20 +27,21 @@ import redis as redis_py
 
 from tiercache.config import build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.gc import run_gc
 from tiercache.index import REGISTRY, Deployment, index_key
-from tiercache.testing.faults import (
+from tiercache.s3_gc import run_gc
+from tiercache.testing.model import write_tiny_llama
+from tiercache.testing.servers import RedisServer, create_bucket
+from tiercache.testing.vllm_runner import assert_same_output, connector_config, run_engine
+from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
+
+from support.faults import (
     EngineProcess,
     TcpProxy,
     block_payload,
     wait_for_file,
     write_blocks_in_process,
 )
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import RedisServer, create_bucket
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, run_engine
-from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
 
 BLOCK = 32
 FULL = 9 * BLOCK  # 299-token prompts: 9 loadable blocks

@@ -26,10 +26,11 @@ from tiercache.keys import HEX_KEY, split_key
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.service import admin as admin_routes
-from tiercache.testing.faults import TlsRedisServer
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
+
+from support.faults import TlsRedisServer
 
 PASSWORD = "pw-" + uuid.uuid4().hex
 

@@ -1,5 +1,5 @@
 """Slow, not failing, S3 and Redis (issue 16, item 10): real redis-server and moto's S3
-server behind the slowing TCP proxy of tiercache.testing.faults. A slow S3 must not
+server behind the slowing TCP proxy of tests/support/faults.py. A slow S3 must not
 pin the CPU tier until stores are dropped; a slow Redis must cost the scheduler a
 bounded wait, then nothing while the breaker is open."""
 
@@ -17,7 +17,8 @@ from tiercache.config import RedisConfig, build_config
 from tiercache.engine import LocalTierCache, ObjectShape
 from tiercache.index import RedisIndex
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.testing.faults import TcpProxy
+
+from support.faults import TcpProxy
 
 BLOCK = 64 * 1024
 SLOTS = 8

@@ -22,11 +22,12 @@ from safetensors import safe_open
 
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
-from tiercache.testing.faults import TcpProxy
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk import TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
 from tiercache.tiers.s3 import ObjectBody, S3Tier
+
+from support.faults import TcpProxy
 
 DIGEST = "0123456789abcdef"
 BLOCK = 64 * 1024

@@ -194,8 +194,8 @@ def gc(
     no index entry names (refused when that is most of the bucket). With --reindex,
     rebuild the index from the objects instead. Exit 3 if Redis or S3 could not be
     reached."""
-    from tiercache.gc import reindex as rebuild_index
-    from tiercache.gc import run_gc
+    from tiercache.s3_gc import run_gc
+    from tiercache.s3_reindex import reindex as rebuild_index
 
     if reindex:
         report = rebuild_index(_load(config))
@@ -222,7 +222,7 @@ def inspect(
 ) -> None:
     """Show what an object is (header, checksum check), where a key lives, or how much
     of a prompt's prefix is cached in which tier."""
-    from tiercache.inspect import inspect_prompt, inspect_target
+    from tiercache.object_info import inspect_prompt, inspect_target
 
     if prompt is not None:
         try:

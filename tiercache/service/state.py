@@ -15,9 +15,9 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from tiercache.config import TierCacheConfig, unbounded_warnings
-from tiercache.gc import DEFAULT_ORPHAN_GRACE, GcBusy, gc_redis_client, registered_deployments, run_gc
 from tiercache.index import RedisIndex
 from tiercache.redis_conn import GuardedRedis
+from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, GcBusy, gc_redis_client, registered_deployments, run_gc
 from tiercache.service.models import DeploymentHit, LookupRequest, LookupResponse, TierBlocks
 from tiercache.service.stats import tier_stats
 from tiercache.tiers.disk import DiskLayout

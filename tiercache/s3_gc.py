@@ -23,7 +23,7 @@ Lost index. An index that lost its data (Redis without persistence, a failover t
 empty replica, a wrong URL) makes every object look orphaned. So the sweep first
 counts, deleting nothing, and refuses (a warning naming the counts, and
 `tiercache_gc_sweeps_refused_total`) when more than half of the objects past the
-grace period have no entry, unless they are ORPHANS_ALWAYS_SWEPT or fewer. `reindex`
+grace period have no entry, unless they are ORPHANS_ALWAYS_SWEPT or fewer. s3_reindex.py
 (`tiercache gc --reindex`) then rebuilds the index from the objects' own headers,
 restoring the registry first from the copy each GC pass keeps in the bucket;
 `force_sweep` deletes them anyway.
@@ -53,7 +53,6 @@ from tiercache.leases import Leases
 from tiercache.metrics import GC_SWEEPS_REFUSED
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.disk import DiskLayout
-from tiercache.tiers.format import DATA_ALIGN, CorruptObject, ObjectHeader, decode_header, header_length
 from tiercache.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ DEFAULT_ORPHAN_GRACE = 600.0
 _EVICT_BATCH = 5000
 _MAX_ROUNDS = 1000
 # Objects checked against the index per Redis call, and deleted per S3 call.
-_SWEEP_BATCH = 1000
+SWEEP_BATCH = 1000
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
 # The sweep deletes at most this share of the objects past the grace period in one
 # pass: more than that unindexed means the index was lost, not that they are orphans...
@@ -106,7 +105,7 @@ def gc_redis_client(config: TierCacheConfig) -> GuardedRedis:
     return GuardedRedis(config.redis_url, settings)
 
 
-class _Resources(contextlib.ExitStack):
+class PassClients(contextlib.ExitStack):
     """The Redis and S3 clients of one pass: the caller's, or our own (closed after)."""
 
     def __init__(self, config: TierCacheConfig, redis: GuardedRedis | None, s3: S3Tier | None):
@@ -160,7 +159,7 @@ def run_gc(
     if config.s3 is None or config.redis_url is None:
         report["errors"].append("s3 is not configured: there is nothing to collect")
         return report
-    with _Resources(config, redis, s3) as res, _failures_reported(report):
+    with PassClients(config, redis, s3) as res, failures_reported(report):
         deployments = registered_deployments(res.redis)
         _save_registry_snapshot(res.s3, deployments)
         mine = [d for d in deployments if d.namespace == config.namespace]
@@ -172,7 +171,7 @@ def run_gc(
 
 
 @contextlib.contextmanager
-def _failures_reported(report: dict[str, Any]) -> Iterator[None]:
+def failures_reported(report: dict[str, Any]) -> Iterator[None]:
     """Redis or S3 failing ends the work early, listed in the report's "errors"."""
     try:
         yield
@@ -316,7 +315,7 @@ def _old_unindexed(
             counts["too_young"] += 1
             continue
         batch.append(key)
-        if len(batch) >= _SWEEP_BATCH:
+        if len(batch) >= SWEEP_BATCH:
             yield finder.unindexed(batch)
             batch = []
     if batch:
@@ -373,8 +372,8 @@ def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
 
     keys = list(keys)
     deleted = failed = 0
-    for start in range(0, len(keys), _SWEEP_BATCH):
-        chunk = keys[start : start + _SWEEP_BATCH]
+    for start in range(0, len(keys), SWEEP_BATCH):
+        chunk = keys[start : start + SWEEP_BATCH]
         request = {"Objects": [{"Key": s3.object_name(key)} for key in chunk], "Quiet": True}
         try:
             response = s3.client.delete_objects(Bucket=s3.bucket, Delete=request)
@@ -388,12 +387,12 @@ def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
     return deleted, failed
 
 
-# -- the registry's copy in the bucket, and rebuilding the index from the objects ----
+# -- the registry's copy in the bucket (s3_reindex.py restores it) ----------------
 def _snapshot_name(s3: S3Tier) -> str:
     return s3.config.prefix + REGISTRY_SNAPSHOT
 
 
-def _load_registry_snapshot(s3: S3Tier) -> dict[str, str]:
+def load_registry_snapshot(s3: S3Tier) -> dict[str, str]:
     """The registry as the last GC pass saw it: model digest -> deployment JSON."""
     from botocore.exceptions import ClientError
 
@@ -420,140 +419,11 @@ def _save_registry_snapshot(s3: S3Tier, deployments: list[Deployment]) -> None:
         return
     snapshot = {dep.model_digest: dep.to_json() for dep in deployments}
     try:
-        if _load_registry_snapshot(s3) != snapshot:
+        if load_registry_snapshot(s3) != snapshot:
             body = json.dumps(snapshot, sort_keys=True).encode()
             s3.client.put_object(Bucket=s3.bucket, Key=_snapshot_name(s3), Body=body)
     except (BotoCoreError, ClientError) as error:  # the pass itself does not need it
         log.warning("could not save the registry's copy in S3: %s", type(error).__name__)
-
-
-def _restore_registry(redis: GuardedRedis, s3: S3Tier) -> int:
-    """Put back every deployment of the bucket's copy that the registry lacks."""
-    snapshot = _load_registry_snapshot(s3)
-    present = {
-        name.decode() if isinstance(name, bytes) else name
-        for name in redis.call("registry", lambda: redis.client.hkeys(REGISTRY))
-    }
-    restored = 0
-    for model_digest, value in snapshot.items():
-        if model_digest in present or not isinstance(value, str):
-            continue
-        redis.call("register", lambda d=model_digest, v=value: redis.client.hsetnx(REGISTRY, d, v))
-        restored += 1
-    return restored
-
-
-def read_object_header(s3: S3Tier, key: str) -> tuple[ObjectHeader, int]:
-    """An object's safetensors header, and where its pages start, from ranged GETs
-    (one when the header fits its usual 4 KiB). Raises CorruptObject."""
-    name = s3.object_name(key)
-    head = _ranged_get(s3, name, 0, DATA_ALIGN)
-    end = 8 + header_length(head)
-    if end > len(head):
-        head += _ranged_get(s3, name, len(head), end)
-    if end > len(head):
-        raise CorruptObject(f"object shorter than its {end}-byte header")
-    return decode_header(head[8:end]), end
-
-
-def _ranged_get(s3: S3Tier, name: str, start: int, stop: int) -> bytes:
-    response = s3.client.get_object(Bucket=s3.bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
-    return response["Body"].read()
-
-
-def _check_object(s3: S3Tier, key: str, size: int) -> str:
-    """"ok" when the object's header is whole and names this very key, rank and size;
-    otherwise "corrupt", or "vanished" when it was deleted since it was listed."""
-    from botocore.exceptions import ClientError
-
-    try:
-        header, data_offset = read_object_header(s3, key)
-    except CorruptObject:
-        return "corrupt"
-    except ClientError as error:
-        code = error.response.get("Error", {}).get("Code")
-        if code in ("NoSuchKey", "404"):
-            return "vanished"
-        if code == "InvalidRange":  # an empty object
-            return "corrupt"
-        raise
-    rank = key.split("/")[0]
-    matches = header.key == key and header.namespace_digest == rank and data_offset + header.nbytes == size
-    return "ok" if matches else "corrupt"
-
-
-def reindex(
-    config: TierCacheConfig,
-    *,
-    redis: GuardedRedis | None = None,
-    s3: S3Tier | None = None,
-) -> dict[str, Any]:
-    """Rebuild the S3 tier's index from the objects, after Redis lost it.
-
-    The registry is restored first from the copy GC passes keep in the bucket. Then
-    each object of a registered deployment's rank, of that deployment's object size,
-    has its safetensors header read (ranged GETs, in parallel); an object whose header
-    is whole and names its own key and rank gets its index entry back, scored with its
-    last-modified time (an entry still present keeps its score). Corrupt objects and
-    those of unregistered deployments are counted and left for the sweep; the pages'
-    checksum is checked on the first read, as always. Failures are listed in "errors"."""
-    report: dict[str, Any] = {
-        "registry_restored": 0,
-        "scanned": 0,
-        "indexed": 0,
-        "already_indexed": 0,
-        "corrupt": 0,
-        "vanished": 0,
-        "unregistered": 0,
-        "errors": [],
-    }
-    if config.s3 is None or config.redis_url is None:
-        report["errors"].append("s3 is not configured: there is nothing to index")
-        return report
-    with _Resources(config, redis, s3) as res, _failures_reported(report):
-        report["registry_restored"] = _restore_registry(res.redis, res.s3)
-        deployments = registered_deployments(res.redis)
-        _reindex_objects(res.redis, res.s3, deployments, report)
-    return report
-
-
-def _reindex_objects(
-    redis: GuardedRedis, s3: S3Tier, deployments: list[Deployment], report: dict[str, Any]
-) -> None:
-    deployment_of = {rank: dep for dep in deployments for rank in dep.rank_digests}
-    batch: list[tuple[str, int, float, str]] = []
-    for key, size, modified in s3.list_objects():
-        report["scanned"] += 1
-        dep = deployment_of.get(key.split("/")[0])
-        if dep is None:
-            report["unregistered"] += 1
-            continue
-        if size != dep.object_bytes:
-            report["corrupt"] += 1
-            continue
-        batch.append((key, size, modified.timestamp(), dep.model_digest))
-        if len(batch) >= _SWEEP_BATCH:
-            _reindex_batch(redis, s3, batch, report)
-            batch = []
-    if batch:
-        _reindex_batch(redis, s3, batch, report)
-
-
-def _reindex_batch(
-    redis: GuardedRedis, s3: S3Tier, batch: list[tuple[str, int, float, str]], report: dict[str, Any]
-) -> None:
-    outcomes = s3.pool.map(lambda item: _check_object(s3, item[0], item[1]), batch)
-    entries: dict[str, dict[bytes, float]] = defaultdict(dict)  # index key -> member -> score
-    for (key, _size, modified, model), outcome in zip(batch, outcomes, strict=True):
-        if outcome != "ok":
-            report[outcome] += 1
-            continue
-        rank, block = key.split("/")
-        entries[index_key(model, rank)][bytes.fromhex(block)] = modified
-    for zkey, members in entries.items():
-        added = int(redis.call("reindex", lambda k=zkey, m=members: redis.client.zadd(k, m, nx=True)))
-        report["indexed"] += added
-        report["already_indexed"] += len(members) - added
 
 
 def _leased_blocks(redis: GuardedRedis, model_digest: str) -> set[tuple[str, str]]:
@@ -598,7 +468,7 @@ def flush_namespace(
         "disk_objects_deleted": 0,
         "errors": [],
     }
-    with _Resources(config, redis, s3) as res:
+    with PassClients(config, redis, s3) as res:
         index = RedisIndex(res.redis)
         for dep in registered_deployments(res.redis):
             if dep.namespace != namespace:

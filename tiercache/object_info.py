@@ -155,9 +155,9 @@ def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
 
 
 def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
-    from tiercache.gc import registered_deployments
     from tiercache.index import index_key
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+    from tiercache.s3_gc import registered_deployments
 
     rank, block = split_key(key)
     table = Table(title=key, show_header=False)
@@ -256,9 +256,9 @@ def _leading_on_disk(layout, rank_digests, hashes: list[bytes]) -> int:
 
 def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: int, console: Console) -> int:
     """Where the longest cached prefix of a prompt lives, per deployment and tier."""
-    from tiercache.gc import registered_deployments
     from tiercache.index import RedisIndex
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+    from tiercache.s3_gc import registered_deployments
     from tiercache.tiers.disk import DiskLayout
 
     try:
