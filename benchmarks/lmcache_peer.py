@@ -70,9 +70,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from e2e import (  # noqa: E402
+from harness import (
     LOGPROB_TOLERANCE,
     MODEL,
     RESULTS,

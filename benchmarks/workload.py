@@ -25,14 +25,11 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from e2e import (  # noqa: E402
+from harness import (
     NAMESPACE,
     RESULTS,
     engine_env,
