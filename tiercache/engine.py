@@ -140,8 +140,8 @@ class TierEngine:
         self._upload_slots = 0
         self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
         # A request waits on its disk reads, so they run in parallel on any core, at
-        # normal priority (62 objects of a 2000-token hit on 2 cores: about 85 ms in one
-        # thread on the model's core, about 50 ms here).
+        # normal priority: one thread on the model's core was the slower choice
+        # (docs/architecture.md, "Threads and cores", has the figures).
         self._disk_readers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-disk-read", initializer=any_cpu_thread
         )

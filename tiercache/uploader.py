@@ -3,13 +3,12 @@
 In a vLLM worker every Python thread shares one interpreter lock with the forward
 pass, and PyTorch gives that lock up and takes it back around every operator. An
 upload holds it for long stretches (botocore builds, signs and parses each request in
-Python), so the forward waits behind it many times per step. On a 2-core box a
-decode-like loop ran at 0.60x its own speed while four upload threads in its process
-wrote to S3, and at 0.87x with the same uploads, at the same rate, from this process
-(benchmarks/upload_interference.py). The worker's CPU tier therefore lives in shared
-memory, and this process reads the blocks to upload straight from it: what crosses
-the socket between the two is a slot number, a block hash and its header, not the
-pages.
+Python), so the forward waits behind it many times per step; the same uploads from
+a process of their own slow it far less (benchmarks/upload_interference.py measures
+both; docs/benchmarks-e2e.md, "Store-path overhead", has the figures). The worker's
+CPU tier therefore lives in shared memory, and this process reads the blocks to
+upload straight from it: what crosses the socket between the two is a slot number,
+a block hash and its header, not the pages.
 
 If the process dies, the uploads in flight and those asked for before it is back
 report "not stored" (a later read is a miss, never an error); it is started again

@@ -366,10 +366,10 @@ class DiskTier:
 
         For the layout this tier writes (a DATA_ALIGN preamble, then the pages) one
         read takes the preamble and the pages together, then one pass hashes them.
-        Reading in small chunks, each hashed while still in cache, was slower: 124
-        objects of 2 MiB from the page cache took 86 ms in 4 threads that way, 45 ms
-        this way (plain reads into the same slots: 30 ms). Any other layout reads the
-        pages after the header. With an integrity key that one pass is the MAC's."""
+        Reading in small chunks, each hashed while still in cache, measured slower
+        (docs/benchmarks-e2e.md, "A disk hit and an S3 hit, step by step"). Any other
+        layout reads the pages after the header. With an integrity key that one pass
+        is the MAC's."""
         head = bytearray(DATA_ALIGN)
         got = os.preadv(fd, [head, out], 0)
         length = header_length(bytes(head[: min(got, 8)]))
