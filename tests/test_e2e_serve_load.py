@@ -54,6 +54,10 @@ KV_BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 64 * 4
 KV_CACHE_BYTES = 4 * 44 * KV_BLOCK_BYTES  # about four prompts with their outputs
 CPU_TIER_SLOTS = 48  # fewer than two prefixes: write-through pins fill it
 S3_DELAY = 0.02  # seconds before each chunk through the slow link (restart only)
+# While the clients that hang up mid-load are sent: S3 loads take long enough (a
+# fraction of a second a chunk) that /metrics shows them in flight, whatever the
+# machine's load; a faster link let some runs finish every load between two polls.
+HANG_UP_S3_DELAY = 0.3
 SERVER_ARGS = [
     "--dtype", "float32",
     "--block-size", str(BLOCK),
@@ -300,11 +304,18 @@ def serve(
     )
 
 
-def hang_up_during_loads(model: Path, names: list[str]):
+def hang_up_during_loads(model: Path, names: list[str], slow_link: TcpProxy):
     """Before the load: for each prompt, one client that leaves once /metrics shows a
     disk or S3 load in flight (its prefix is in no CPU tier after the restart)."""
 
     def run(server: VllmServer) -> int:
+        slow_link.delay = HANG_UP_S3_DELAY
+        try:
+            return hang_up_each(server)
+        finally:
+            slow_link.delay = S3_DELAY
+
+    def hang_up_each(server: VllmServer) -> int:
         async def one(name: str) -> bool:
             async with httpx.AsyncClient() as own:
                 task = asyncio.create_task(
@@ -381,7 +392,7 @@ def restarted(model, workdir, tiers, cold) -> Run:
     slow = {**tiers, "s3": {**tiers["s3"], "endpoint_url": proxy.url}}
     try:
         # The first prompt of four prefixes: none is in the CPU tier yet.
-        before = hang_up_during_loads(model, ["p0s0", "p3s1", "p5s2", "p7s0"])
+        before = hang_up_during_loads(model, ["p0s0", "p3s1", "p5s2", "p7s0"], proxy)
         # vLLM's default SIGTERM aborts (the cold run): workers are killed, so only
         # Python's resource tracker and the disk tier's next start clean up after
         # them. With a shutdown timeout the connector's own shutdown runs.

@@ -122,11 +122,13 @@ class World:
         return set(self.redis.zrange(index_key(dep.model_digest, dep.rank_digests[0]), 0, -1))
 
     def s3_objects(self) -> dict[str, bytes]:
-        """Every object under the prefix: S3 name -> bytes."""
+        """Every KV object under the prefix: S3 name -> bytes (GC's copy of the
+        registry, kept in the bucket too, is not one)."""
         out = {}
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix="rel/"):
             for item in page.get("Contents", ()):
-                out[item["Key"]] = self.s3.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read()
+                if item["Key"].endswith(".safetensors"):
+                    out[item["Key"]] = self.s3.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read()
         return out
 
     def wait_indexed(self, count: int, timeout: float = 90) -> None:
