@@ -24,6 +24,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
     as_root systemctl disable --now redis-server >/dev/null 2>&1 || true
 fi
 
+# A real Prometheus scrapes `tiercache serve` and evaluates the Grafana dashboard's
+# queries in tests/test_dashboard_prometheus.py.
+if ! command -v prometheus >/dev/null 2>&1; then
+    log "installing prometheus (Debian package)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        prometheus >/dev/null
+    # The package enables a system-wide server on :9090; the test starts its own.
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
+
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
