@@ -22,7 +22,7 @@ from tiercache.tiers import CPU, DISK, S3
 from .metadata import TierCacheMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
-from .stats import GaugeReport, TierCachePromMetrics, TierCacheStats
+from .stats import GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
 from .worker import TierCacheWorker
 
 log = logging.getLogger("tiercache.connector")
@@ -124,6 +124,13 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta if isinstance(meta, TierCacheMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds each step's metadata right before the step's forward.
+        super().bind_connector_metadata(connector_metadata)
+        meta = self._meta()
+        if self.worker is not None and meta is not None:
+            self.worker.forward_begins(meta)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._meta()
         if self.worker is not None and meta is not None:
@@ -159,6 +166,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             # vLLM asks the scheduler side too, after each step's update.
             stats = TierCacheStats()
             self._gauges.add_to(stats, self.scheduler.gauges())
+            for (tier, decision), count in self.scheduler.take_decisions().items():
+                stats.add(decision_key(tier, decision), count)
             return None if stats.is_empty() else stats
         if self.worker is None:
             return None

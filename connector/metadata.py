@@ -32,6 +32,9 @@ class TierCacheMetadata(KVConnectorMetadata):
     stores: list[BlockOp] = field(default_factory=list)
     # No request computes this step: vLLM is only polling for loads in flight.
     idle: bool = False
+    # Tokens this step computes, set only when some of them are prompt tokens: the
+    # workers time its forward, which is what a skipped load costs (cost_model.py).
+    timed_tokens: int = 0
 
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank
@@ -44,17 +47,24 @@ ON_DISK = "on_disk"  # value block hash: written to this rank's disk tier
 OFF_DISK = "off_disk"  # value block hash: evicted or lost from this rank's disk tier
 
 Report = tuple[int, str, Any]
+# A measurement for the scheduler's cost model: (tier, blocks, seconds) of one load's
+# blocks from that tier, or (FORWARD, tokens, seconds) of one timed step.
+FORWARD = "forward"
+Timing = tuple[str, int, float]
 
 
 @dataclass
 class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
     reports: list[Report] = field(default_factory=list)
     hits: Counter = field(default_factory=Counter)  # tier -> blocks loaded, for stats
+    timings: list[Timing] = field(default_factory=list)  # every rank's, each a sample
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierCacheWorkerMetadata)
         # Kept apart per report: summing would let one rank's report stand in for another's.
-        return TierCacheWorkerMetadata(self.reports + other.reports, self.hits + other.hits)
+        return TierCacheWorkerMetadata(
+            self.reports + other.reports, self.hits + other.hits, self.timings + other.timings
+        )
 
     def counts(self) -> Counter:
         """How many reports of each (kind, value), whatever rank made them."""

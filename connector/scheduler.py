@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from tiercache.config import TierCacheConfig
 from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
-from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
+from tiercache.metrics import LOAD_DECISIONS, LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, CpuTierFull
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
@@ -24,10 +25,12 @@ from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk import DiskLayout
 
+from .cost_model import LoadCostModel
 from .ledger import ReportLedger
 from .metadata import (
     FILL_FAILED,
     FILLED,
+    FORWARD,
     OFF_DISK,
     ON_DISK,
     RELEASED,
@@ -44,6 +47,9 @@ log = logging.getLogger("tiercache.connector")
 class _Lookup:
     num_computed_tokens: int
     tiers: list[str]  # tier of each block past the local hit, in order
+    # The hit as last answered: the tier of each block it could load (CPU room
+    # allowing); the cost model loads a prefix of it.
+    hit: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +104,8 @@ class TierCacheScheduler:
         # Set by reset_cache (new weights): every block is named anew under it.
         self._weights_epoch: bytes | None = None
         self.stats: Counter = Counter()
+        self.cost = LoadCostModel(time.monotonic) if config.movers.cost_model == "on" else None
+        self._decisions: Counter = Counter()  # (tier, decision) -> requests, not yet in vLLM's stats
 
     # -- startup ------------------------------------------------------------------
     def _scan_disk(self) -> None:
@@ -185,11 +193,14 @@ class TierCacheScheduler:
                 tiers.extend([S3] * found)
             else:
                 LOOKUP_BLOCKS.inc(limit - first)
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
+            cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
         tiers = self._fit_to_cpu_tier(tiers, hashes[first : first + len(tiers)])
-        if not tiers:
+        load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
+        # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.
+        cached.hit = tiers
+        if not load:
             return 0, False
-        return len(tiers) * self.block_size, any(t != CPU for t in tiers)
+        return load * self.block_size, any(t != CPU for t in tiers[:load])
 
     def _fit_to_cpu_tier(self, tiers: list[str], hashes) -> list[str]:
         """Each disk or S3 block is staged through a CPU slot of its own. A hit that
@@ -214,6 +225,8 @@ class TierCacheScheduler:
             state = self._requests[req_id] = _Request(request)
         state.request = request
         lookup = self._lookups.pop(req_id, None)
+        if lookup is not None:
+            self._count_decisions(lookup, num_external_tokens // self.block_size)
         if num_external_tokens == 0 or lookup is None:
             return
         block_ids = blocks.get_block_ids()[0]
@@ -237,6 +250,22 @@ class TierCacheScheduler:
             if op.tier:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
+
+    def _count_decisions(self, lookup: _Lookup, loaded: int) -> None:
+        """One decision per tier holding part of this request's hit: loaded, or
+        skipped (the cost model cut the hit before that tier's blocks)."""
+        for tier in dict.fromkeys(lookup.hit):
+            decision = "load" if tier in lookup.hit[:loaded] else "skip"
+            if decision == "load" and self.cost is not None:
+                self.cost.loading(tier)
+            LOAD_DECISIONS.labels(tier, decision).inc()
+            self.stats[f"decision_{decision}_{tier}"] += 1
+            self._decisions[(tier, decision)] += 1
+
+    def take_decisions(self) -> Counter:
+        """(tier, decision) -> requests since the last call, for vLLM's connector stats."""
+        decisions, self._decisions = self._decisions, Counter()
+        return decisions
 
     def hit_tiers(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of this request's planned hit, by the tier each block was found in
@@ -274,6 +303,8 @@ class TierCacheScheduler:
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
+        if self.cost is not None and self._computes_prompt(scheduler_output):
+            meta.timed_tokens = scheduler_output.total_num_scheduled_tokens
         self._pending_loads = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -299,6 +330,19 @@ class TierCacheScheduler:
         self._hit_tiers.clear()
         return meta
 
+    def _computes_prompt(self, output) -> bool:
+        """Whether this step computes prompt tokens (a prefill, or a chunk of one):
+        its forward then says what recomputing a prompt costs. Decode-only steps
+        would say little about that and, being most steps, crowd out what does."""
+        if output.scheduled_new_reqs:
+            return True
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is not None and cached.num_computed_tokens[i] < state.request.num_prompt_tokens:
+                return True
+        return False
+
     def _plan_stores(self, state: _Request, req_id: str, computed: int, output, meta) -> None:
         request = state.request
         done_tokens = computed + output.num_scheduled_tokens.get(req_id, 0)
@@ -323,6 +367,12 @@ class TierCacheScheduler:
             self.stats.update(worker_meta.hits)
             for rank, kind, value in worker_meta.reports:
                 self._on_report(rank, kind, value)
+            if self.cost is not None:
+                for what, units, seconds in worker_meta.timings:
+                    if what == FORWARD:
+                        self.cost.observe_forward(units, seconds)
+                    else:
+                        self.cost.observe_load(what, units, seconds)
         for req_id in connector_output.finished_recving or ():
             self._load_slots.pop(req_id, None)
 

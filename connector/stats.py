@@ -23,6 +23,18 @@ _COUNTERS = {
     "vllm:tiercache_failed_blocks": ("failed_blocks_", "Blocks a tiercache load could not serve"),
 }
 _STORED = ("vllm:tiercache_stored_blocks", "stored_blocks", "Blocks copied into the tiercache CPU tier")
+# The scheduler's cost-model decisions (cost_model.py), one per request and tier.
+DECISIONS = ("load", "skip")
+_DECISIONS = (
+    "vllm:tiercache_load_decisions",
+    "Requests whose hit in a tiercache tier was loaded, or skipped as slower than recomputing it",
+)
+
+
+def decision_key(tier: str, decision: str) -> str:
+    return f"load_decision_{decision}_{tier}"
+
+
 GAUGES_KEY = "gauges"  # {source: {gauge: value}}, source "scheduler" or "rank<N>"
 # gauge -> (name in vLLM's /metrics, help)
 GAUGES = {
@@ -113,6 +125,16 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         name, _, help_text = _STORED
         stored = self._counter_cls(name=name, documentation=help_text, labelnames=labelnames)
         self._stored = {engine: stored.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        name, help_text = _DECISIONS
+        decisions = self._counter_cls(
+            name=name, documentation=help_text, labelnames=[*labelnames, "tier", "decision"]
+        )
+        self._decisions = {
+            (engine, tier, decision): decisions.labels(*values, tier, decision)
+            for engine, values in per_engine_labelvalues.items()
+            for tier in TIERS
+            for decision in DECISIONS
+        }
         latency = self._histogram_cls(
             name="vllm:tiercache_load_seconds",
             documentation="Time to load a request's cached prefix, by its slowest tier",
@@ -144,6 +166,11 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         stored = transfer_stats_data.get(_STORED[1], 0)
         if stored:
             self._stored[engine_idx].inc(stored)
+        for tier in TIERS:
+            for decision in DECISIONS:
+                count = transfer_stats_data.get(decision_key(tier, decision), 0)
+                if count:
+                    self._decisions[(engine_idx, tier, decision)].inc(count)
         for tier, seconds in transfer_stats_data.get(LATENCIES, ()):
             self._latency[(engine_idx, tier)].observe(seconds)
         reported = transfer_stats_data.get(GAUGES_KEY)

@@ -21,11 +21,13 @@ from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
+from .forward_timer import ForwardTimer
 from .layerwise import LayerwiseLoad
 from .layerwise_gpu import StreamLayerwiseLoad, StreamLayerwiseSave
 from .metadata import (
     FILL_FAILED,
     FILLED,
+    FORWARD,
     OFF_DISK,
     ON_DISK,
     RELEASED,
@@ -34,6 +36,7 @@ from .metadata import (
     Report,
     TierCacheMetadata,
     TierCacheWorkerMetadata,
+    Timing,
 )
 from .stats import GaugeReport, TierCacheStats
 
@@ -51,8 +54,10 @@ IDLE_STEP_WAIT_SECONDS = 0.01
 @dataclass
 class _AsyncLoad:
     job: LoadJob
-    staged: Future | None  # results of staging the non-CPU blocks, in order
+    # Per lower tier: its blocks, and the staging of them (results in that order).
+    staged: list[tuple[str, list[BlockOp], Future]]
     started: float
+    staged_at: dict[str, float]  # tier -> when its last block was staged
 
 
 @dataclass
@@ -88,6 +93,8 @@ class TierCacheWorker:
         self._lock = threading.Lock()
         self._reports: list[Report] = []  # (rank, kind, value), in the order they happened
         self._hits: Counter = Counter()
+        self._timings: list[Timing] = []  # for the scheduler's cost model
+        self._forward_timer: ForwardTimer | None = None
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -120,6 +127,8 @@ class TierCacheWorker:
             log.error("tiercache: %s", self.disabled_reason)
             return
         self.copier = copier
+        if self.tp_rank == 0:  # every rank runs the same forward: one sample a step
+            self._forward_timer = ForwardTimer(copier.on_cuda)
         if not copier.on_cuda and not copier.staged:
             # CUDA copies are already asynchronous on their own stream.
             self._layer_helper = ThreadPoolExecutor(
@@ -193,6 +202,11 @@ class TierCacheWorker:
             data = bytes(self.buffer.view(slot))
             self.engine.write_down(block_hash, None, self._after_write, data=data)
 
+    def forward_begins(self, meta: TierCacheMetadata) -> None:
+        """vLLM bound this step's metadata: its forward starts now."""
+        if self._forward_timer is not None:
+            self._forward_timer.begin(meta.timed_tokens)
+
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
         if self.engine is None:
@@ -202,14 +216,25 @@ class TierCacheWorker:
         cpu_hits: list[LoadJob] = []
         for job in meta.loads:
             if job.is_async:
-                staged = [(op.block_hash, op.slot, op.tier) for op in job.ops if op.tier in (DISK, S3)]
-                future = self.engine.stage_many(staged) if staged else None
-                self._async.append(_AsyncLoad(job, future, time.perf_counter()))
+                self._async.append(self._stage(job))
             else:
                 cpu_hits.append(job)
         if cpu_hits:
             self._load_cpu_hits(cpu_hits)
         self._poll_async()
+
+    def _stage(self, job: LoadJob) -> _AsyncLoad:
+        """Stage a load's disk and S3 blocks into their slots, each tier apart (they
+        run in parallel), noting when each tier's last block is in."""
+        load = _AsyncLoad(job, [], time.perf_counter(), {})
+        for tier in (DISK, S3):
+            ops = [op for op in job.ops if op.tier == tier]
+            if not ops:
+                continue
+            future = self.engine.stage_many([(op.block_hash, op.slot, tier) for op in ops])
+            future.add_done_callback(lambda _, t=tier: load.staged_at.setdefault(t, time.perf_counter()))
+            load.staged.append((tier, ops, future))
+        return load
 
     def _load_cpu_hits(self, jobs: list[LoadJob]) -> None:
         """This step's hits wholly in the CPU tier: layer by layer beside the forward
@@ -271,14 +296,18 @@ class TierCacheWorker:
     def _poll_async(self) -> None:
         still = []
         for load in self._async:
-            if load.staged is not None and not load.staged.done():
+            if not all(future.done() for _, _, future in load.staged):
                 still.append(load)
                 continue
-            results = load.staged.result() if load.staged is not None else []
-            staged_ops = [op for op in load.job.ops if op.tier in (DISK, S3)]
-            staged_ok = {id(op): ok for op, ok in zip(staged_ops, results, strict=True)}
+            now = time.perf_counter()
+            staged_ok: dict[int, bool] = {}
+            for tier, ops, future in load.staged:
+                staged_ok.update({id(op): ok for op, ok in zip(ops, future.result(), strict=True)})
+                # A failed read counts too: the request waited for it all the same.
+                # (The done-callback may not have run yet when the future reads done.)
+                self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
             slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
-            self._stats.observe_load(slowest, time.perf_counter() - load.started)
+            self._stats.observe_load(slowest, now - load.started)
             if self._layerwise_ready():
                 # vLLM schedules the request no earlier than the next step, whose
                 # forward waits for each layer: the copy overlaps that forward.
@@ -360,6 +389,8 @@ class TierCacheWorker:
 
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
         """The step's forward is over: finish its loads, then copy out its stores."""
+        if self._forward_timer is not None:
+            self._forward_timer.end()
         self._end_of_forward()
         saving, self._saving = self._saving, None
         if self.engine is None or not meta.stores:
@@ -389,7 +420,7 @@ class TierCacheWorker:
     def get_finished(self) -> set[str]:
         if self._idle_step:
             self._idle_step = False
-            staging = [load.staged for load in self._async if load.staged is not None]
+            staging = [future for load in self._async for _, _, future in load.staged]
             if staging:
                 wait(staging, timeout=IDLE_STEP_WAIT_SECONDS, return_when=FIRST_COMPLETED)
         self._poll_async()
@@ -401,10 +432,13 @@ class TierCacheWorker:
         return failed
 
     def take_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        timings, self._timings = self._timings, []
+        if self._forward_timer is not None:
+            timings += [(FORWARD, tokens, seconds) for tokens, seconds in self._forward_timer.take()]
         with self._lock:
-            if not self._reports and not self._hits:
+            if not self._reports and not self._hits and not timings:
                 return None
-            meta = TierCacheWorkerMetadata(self._reports, self._hits)
+            meta = TierCacheWorkerMetadata(self._reports, self._hits, timings)
             self._reports, self._hits = [], Counter()
         return meta
 

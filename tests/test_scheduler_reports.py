@@ -6,6 +6,7 @@ async scheduling, the default on GPUs)."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -170,12 +171,29 @@ class MiniEngine:
     waiting for the workers' `finished_recving`), stores, requests finishing after
     their prefill, and the forward checking every block it reads from a load."""
 
-    def __init__(self, tmp_path, tp: int, lag: int, cpu_slots: int):
+    def __init__(
+        self,
+        tmp_path,
+        tp: int,
+        lag: int,
+        cpu_slots: int,
+        *,
+        time_forwards: bool = False,
+        forward_seconds: float = 0.0,
+        movers: dict | None = None,
+    ):
         self.lag = lag
         self.num_blocks = 48
+        # vLLM binds each step's metadata before its forward, which times it for the
+        # cost model; left out, the prefill is never measured and every hit is loaded.
+        self.time_forwards = time_forwards
+        self.forward_seconds = forward_seconds
         disk = {"path": str(tmp_path / "disk"), "capacity": 1 << 30}
+        movers = movers or {}
         self.sched = TierCacheScheduler(
-            build_config({"cpu": {"capacity": cpu_slots * PAGE * len(LAYERS)}, "disk": disk}),
+            build_config(
+                {"cpu": {"capacity": cpu_slots * PAGE * len(LAYERS)}, "disk": disk, "movers": movers}
+            ),
             [spec(r, tp) for r in range(tp)],
             kv_cache_config(self.num_blocks),
             worker_count=tp,
@@ -185,7 +203,9 @@ class MiniEngine:
         for rank in range(tp):
             kv = {name: torch.zeros(self.num_blocks, *LAYER_SHAPE) for name in LAYERS}
             slot_bytes = PagedKVCopier(kv, self.num_blocks).slot_bytes
-            config = build_config({"cpu": {"capacity": cpu_slots * slot_bytes}, "disk": disk})
+            config = build_config(
+                {"cpu": {"capacity": cpu_slots * slot_bytes}, "disk": disk, "movers": movers}
+            )
             worker = TierCacheWorker(
                 config, spec(rank, tp), "m", self.num_blocks, tp_rank=rank, writes_lower_tiers=True,
                 disk_share=1 << 29,
@@ -246,11 +266,15 @@ class MiniEngine:
         self.finishing.append((req, blocks))
 
     def _execute(self, meta, loads, computes):
-        reports, hits, recving = [], Counter(), []
+        reports, hits, timings, recving = [], Counter(), [], []
         failed: set[int] = set()
         for rank, worker in enumerate(self.workers):
             kv = self.kv[rank]
+            if self.time_forwards:
+                worker.forward_begins(meta)
             worker.start_load_kv(meta)
+            if computes:  # a forward that computes blocks takes this long
+                time.sleep(self.forward_seconds)
             for layer, name in enumerate(LAYERS):
                 worker.wait_for_layer(name)
                 for block, block_hash in loads.items():  # attention reads the loaded KV
@@ -266,6 +290,7 @@ class MiniEngine:
             if worker_meta is not None:
                 reports.extend(worker_meta.reports)
                 hits.update(worker_meta.hits)
+                timings.extend(worker_meta.timings)
         assert not failed, "nothing in this workload may fail to load"
         self.loaded.update(hits)
         # As vLLM's output aggregator: finished once every rank has said so, in
@@ -276,7 +301,7 @@ class MiniEngine:
         for req_id in done:
             del self.recv_reports[req_id]
         return SimpleNamespace(
-            kv_connector_worker_meta=TierCacheWorkerMetadata(reports, hits), finished_recving=done
+            kv_connector_worker_meta=TierCacheWorkerMetadata(reports, hits, timings), finished_recving=done
         )
 
     def _deliver(self, output) -> None:

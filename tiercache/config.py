@@ -145,6 +145,13 @@ class RedisConfig(_Strict):
     read_lease_ttl: float = Field(default=30.0, gt=0, le=3600)
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 (PyYAML, and so TIERCACHE_* overrides) reads a bare on/off as a bool."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
 class MoverConfig(_Strict):
     policy: Literal["write_through", "write_back"] = "write_through"
     promote_on_hit: bool = True
@@ -164,6 +171,11 @@ class MoverConfig(_Strict):
         default=True,
         description="in a vLLM worker on a host without CUDA, upload to S3 from a process of its own, "
         "so that the forward never waits behind request signing for the interpreter lock",
+    )
+    cost_model: Annotated[Literal["on", "off"], BeforeValidator(_on_off)] = Field(
+        default="on",
+        description="load a hit from disk or S3 only as far as its measured load time beats "
+        "recomputing it (the engine's measured prefill rate); off loads every hit it finds",
     )
 
 

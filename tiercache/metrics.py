@@ -24,6 +24,11 @@ MOVER_DROPPED = Counter("tiercache_mover_dropped", "Writes dropped under backpre
 MOVER_QUEUE = Gauge("tiercache_mover_queue_depth", "Writes queued for a tier", ["tier"])
 LOOKUP_BLOCKS = Counter("tiercache_lookup_blocks", "Blocks asked for in prefix lookups")
 LOOKUP_HITS = Counter("tiercache_lookup_hits", "Blocks found in prefix lookups", ["tier"])
+LOAD_DECISIONS = Counter(
+    "tiercache_load_decisions",
+    "Per request and tier holding part of its hit: loaded, or skipped as slower than recomputing it",
+    ["tier", "decision"],
+)
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
 GC_SWEEPS_REFUSED = Counter(
     "tiercache_gc_sweeps_refused",

@@ -105,6 +105,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                     "metrics": _metrics(out),
                 }
             )
+            if spec.get("counters"):
+                results[-1]["counters"] = _counters(llm, spec["counters"])
     # Shut the engine down so each worker's connector flushes its queued writes
     # (bounded by movers.shutdown_flush_seconds) before the process ends.
     llm.llm_engine.engine_core.shutdown()
@@ -127,6 +129,17 @@ def _control(entry: dict[str, Any]) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {entry.get('timeout', 300)}s for {entry['wait_for']}")
             time.sleep(0.05)
+
+
+def _counters(llm, name: str) -> dict[str, float]:
+    """vLLM's counter `name` (needs log_stats) as it stands now, one value per label
+    set other than the engine's own: {"decision=skip,tier=s3": 1, ...}."""
+    values = {}
+    for metric in llm.get_metrics():
+        if metric.name == name:
+            labels = {k: v for k, v in metric.labels.items() if k not in ("engine", "model_name")}
+            values[",".join(f"{k}={v}" for k, v in sorted(labels.items()))] = metric.value
+    return values
 
 
 def _metrics(out) -> dict[str, float] | None:
