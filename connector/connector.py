@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiercache.block_hashing import BlockHashing, shareable_seed
 from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
 
@@ -56,6 +57,22 @@ def log_through_vllm() -> None:
     ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
 
 
+def block_hashing(vllm_config, block_size: int) -> BlockHashing | None:
+    """How this engine names blocks, for the service to hash a router's token ids the
+    same way; None where the engine's seed is random (xxhash without PYTHONHASHSEED),
+    which no other process can reproduce."""
+    algorithm = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = shareable_seed(algorithm)
+    if seed is None:
+        log.info(
+            "tiercache: %s block hashes use a random seed (PYTHONHASHSEED unset): "
+            "lookups by token ids are not answered for this deployment",
+            algorithm,
+        )
+        return None
+    return BlockHashing(algorithm, block_size, seed)
+
+
 class TierCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         refuse_unsupported(vllm_config)
@@ -78,8 +95,14 @@ class TierCacheConnector(KVConnectorBase_V1):
         self.scheduler: TierCacheScheduler | None = None
         self.worker: TierCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
             self.scheduler = TierCacheScheduler(
-                self.config, specs, kv_cache_config, worker_count=self.tp_size
+                self.config,
+                specs,
+                kv_cache_config,
+                worker_count=self.tp_size,
+                hashing=block_hashing(vllm_config, specs[0].block_size),
+                kv_events=bool(events is not None and events.enable_kv_cache_events),
             )
             self._gauges = GaugeReport("scheduler")
         else:
@@ -176,6 +199,8 @@ class TierCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -196,6 +221,11 @@ class TierCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def take_events(self):
+        # vLLM drains this after every step and publishes it with its own GPU block
+        # events (--kv-events-config); see connector/events.py.
+        return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         return self.scheduler.reset_cache() if self.scheduler is not None else None

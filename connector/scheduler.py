@@ -9,24 +9,30 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig
 from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
 from tiercache.metrics import LOAD_DECISIONS, LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, CpuTierFull
+from tiercache.presence import PresencePublisher
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk import DiskLayout
 
 from .cost_model import LoadCostModel
+from .events import TierEvents
 from .ledger import ReportLedger
+from .load_failures import RecentLoadFailures
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -70,7 +76,19 @@ def slot_bytes_for(kv_cache_config) -> int:
 
 
 class TierCacheScheduler:
-    def __init__(self, config: TierCacheConfig, specs: list[KVSpec], kv_cache_config, worker_count: int):
+    def __init__(
+        self,
+        config: TierCacheConfig,
+        specs: list[KVSpec],
+        kv_cache_config,
+        worker_count: int,
+        *,
+        hashing: BlockHashing | None = None,
+        kv_events: bool = False,
+    ):
+        """`hashing`: how vLLM names this deployment's blocks, registered for the
+        service's token lookups; `kv_events`: vLLM publishes KV events, so tier
+        changes are kept for `take_events`."""
         self.config = config
         self.specs = specs
         self.block_size = specs[0].block_size
@@ -87,20 +105,29 @@ class TierCacheScheduler:
         self.worker_count = worker_count
         # MLA: one shared object, written by rank 0 alone.
         self.disk_reporters = 1 if len(specs) == 1 and worker_count > 1 else worker_count
+        self.redis: GuardedRedis | None = None
+        self.index: RedisIndex | None = None  # the S3 tier's index
+        if config.redis_url:
+            self.redis = GuardedRedis(config.redis_url, config.redis)
+            if config.s3 is not None:
+                self.index = RedisIndex(self.redis)
+        self.hashing = hashing
+        # Watching before the disk scan: what the disk holds from earlier runs is
+        # published too.
+        self.tier_events = self._watch_tiers(kv_events)
         if config.disk is not None:
             self._scan_disk()
-        self.redis: GuardedRedis | None = None
-        self.index: RedisIndex | None = None
-        if config.redis_url and config.s3 is not None:
-            self.redis = GuardedRedis(config.redis_url, config.redis)
-            self.index = RedisIndex(self.redis)
+        if self.redis is not None:
             self._register()
+        if self.tier_events is not None and self.tier_events.presence is not None:
+            self.tier_events.presence.start()
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._pending_loads: list[LoadJob] = []
         self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
         self.ledger = ReportLedger(worker_count, self.disk_reporters)
+        self.load_failures = RecentLoadFailures()
         # Set by reset_cache (new weights): every block is named anew under it.
         self._weights_epoch: bytes | None = None
         self.stats: Counter = Counter()
@@ -131,11 +158,47 @@ class TierCacheScheduler:
             tp_size=len(self.specs),
             rank_digests=tuple(self.rank_digests),
             object_bytes=shape.object_bytes,
+            block_size=self.hashing.block_size if self.hashing else 0,
+            hash_algo=self.hashing.algorithm if self.hashing else "",
+            hash_seed=self.hashing.seed if self.hashing else None,
         )
         try:
-            self.index.register(deployment)
+            RedisIndex(self.redis).register(deployment)
         except RedisUnavailable:
             log.warning("tiercache: redis unreachable at startup; S3 lookups are misses until it answers")
+
+    def _watch_tiers(self, kv_events: bool) -> TierEvents | None:
+        """Tier changes feed vLLM's KV events and this instance's presence in Redis;
+        with neither, nothing watches them."""
+        presence = None
+        if self.redis is not None and self.config.presence.enabled:
+            presence = PresencePublisher(
+                self.redis,
+                self.model_digest,
+                self.config.instance_id or f"{socket.gethostname()}-{os.getpid()}",
+                ttl=self.config.presence.ttl,
+                interval=self.config.presence.interval,
+            )
+        if not kv_events and presence is None:
+            return None
+        events = TierEvents(self.policy, self.block_size, publish=kv_events, presence=presence)
+        self.policy.watcher = events
+        return events
+
+    def take_events(self) -> list:
+        """vLLM KV events for this step's tier changes (connector.take_events)."""
+        return self.tier_events.take() if self.tier_events is not None else []
+
+    def _name(self, key: bytes, vllm_hash) -> None:
+        """Events and presence name blocks by vLLM's hash, which differs from `key`
+        after a reset: say which is which before the block can change tiers."""
+        if self.tier_events is not None:
+            self.tier_events.name(key, bytes(vllm_hash))
+
+    def close(self) -> None:
+        """The engine shuts down: this instance's presence leaves Redis now."""
+        if self.tier_events is not None and self.tier_events.presence is not None:
+            self.tier_events.presence.close()
 
     # -- block names ----------------------------------------------------------------
     def _block_key(self, block_hash) -> bytes:
@@ -160,6 +223,8 @@ class TierCacheScheduler:
         reclaim them."""
         self._weights_epoch = secrets.token_bytes(16)
         self.policy.clear()
+        if self.tier_events is not None:
+            self.tier_events.reset()
         self.ledger.forget_disk()
         self._lookups.clear()
         log.info("tiercache: cache reset (new weights epoch): earlier blocks are no longer served")
@@ -178,16 +243,17 @@ class TierCacheScheduler:
         else:
             tiers = []
             for i in range(first, limit):
-                tier = self.policy.local_tier(bytes(hashes[i]))
-                if tier is None:
+                block = bytes(hashes[i])
+                tier = self.policy.local_tier(block)
+                if tier is None or block in self.load_failures:
                     break
                 tiers.append(tier)
             rest = first + len(tiers)
             if rest < limit and self.index is not None:
                 try:
-                    found = self.index.longest_prefix(
-                        self.model_digest, self.rank_digests, [bytes(h) for h in hashes[rest:limit]]
-                    )
+                    wanted = [bytes(h) for h in hashes[rest:limit]]
+                    found = self.index.longest_prefix(self.model_digest, self.rank_digests, wanted)
+                    found = self.load_failures.leading_clear(wanted[:found])
                 except RedisUnavailable:
                     found = 0
                 tiers.extend([S3] * found)
@@ -240,6 +306,7 @@ class TierCacheScheduler:
         ops: list[BlockOp] = []
         for i, tier in enumerate(lookup.tiers[:count]):
             block_hash = self._block_key(request.block_hashes[first + i])
+            self._name(block_hash, request.block_hashes[first + i])
             ops.append(self._plan_load(block_hash, block_ids[first + i], tier, may_stage=is_async))
         job = LoadJob(req_id, ops, is_async)
         self._pending_loads.append(job)
@@ -358,6 +425,7 @@ class TierCacheScheduler:
             except CpuTierFull:
                 self.stats["store_dropped"] += 1
                 break
+            self._name(block_hash, request.block_hashes[i])
             meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU))
         state.next_block = max(state.next_block, limit)
 
@@ -390,6 +458,7 @@ class TierCacheScheduler:
             block_hash, slot = value
             self.ledger.end_fill(block_hash, slot)
             self.policy.fill_failed(block_hash, slot)
+            self.load_failures.add(block_hash)
         elif kind == ON_DISK:
             if self.ledger.stored_on_disk(rank, value):
                 self.policy.stored_on_disk(value)

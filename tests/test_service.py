@@ -3,6 +3,7 @@ objects written by the tier engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -13,10 +14,13 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiercache.block_hashing import BlockHashing
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
 from tiercache.index import REGISTRY, Deployment, index_key
+from tiercache.presence import PresencePublisher
 from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
+from tiercache.service.models import MAX_LOOKUP_TOKENS
 from tiercache.tiers.s3 import S3Tier, make_client
 
 SLOT = 4096
@@ -195,8 +199,12 @@ def test_lookup_finds_the_longest_prefix_per_deployment(stack, redis):
         "model_digest": single.model_digest,
         "model": "tiny-llama",
         "tp_size": 1,
+        "block_size": None,  # registered without its block hashing
+        "requested_blocks": 6,
         "prefix_blocks": 4,
         "tiers": {"s3": 4, "disk": 4},
+        "instances": [],
+        "error": None,
     }
     assert by_digest[sharded.model_digest]["tiers"] == {"s3": 2, "disk": 0}
     assert body["deployments"][0]["model_digest"] == single.model_digest  # longest first
@@ -226,6 +234,93 @@ def test_lookup_counts_a_missing_rank_as_a_miss(stack, redis):
     assert body["prefix_blocks"] == 1
 
 
+def register_hashing(redis, deployment, **hashing):
+    """Rewrite a registration as a scheduler with block hashing writes it."""
+    updated = dataclasses.replace(deployment, **hashing)
+    redis.client.hset(REGISTRY, updated.model_digest, updated.to_json())
+    return updated
+
+
+def test_lookup_by_token_ids_hashes_as_each_deployment_does(stack, redis):
+    """Token ids are hashed per deployment (block size, algorithm, seed from its
+    registration) into vLLM's hashes; S3, the service's disk and each live instance's
+    CPU and disk tiers answer for them."""
+    config, client = stack
+    tokens = list(range(1000, 1000 + 4 * 16 + 5))  # four full blocks of 16, and a rest
+    hashing = BlockHashing("sha256", 16, "vllm-none-hash")
+    hashes = hashing.block_hashes(tokens)
+    dep = register_hashing(
+        redis, store(config, hashes[:3]), block_size=16, hash_algo="sha256", hash_seed="vllm-none-hash"
+    )
+    near = PresencePublisher(redis, dep.model_digest, "node-a")
+    far = PresencePublisher(redis, dep.model_digest, "node-b")
+    for block in hashes:  # node-a: everything in CPU, the first two on disk too
+        near.update(block, "cpu", True)
+    for block in hashes[:2]:
+        near.update(block, "disk", True)
+    far.update(hashes[1], "cpu", True)  # node-b: not the first block, so nothing leading
+    assert near.flush() and far.flush()
+    # Another deployment of the namespace, with 32-token blocks and a PYTHONHASHSEED.
+    other = register_hashing(redis, store(config, []), block_size=32, hash_algo="sha256_cbor", hash_seed="7")
+    other_hashes = BlockHashing("sha256_cbor", 32, "7").block_hashes(tokens)
+    cold = PresencePublisher(redis, other.model_digest, "node-c")
+    cold.update(other_hashes[0], "disk", True)
+    assert cold.flush()
+
+    body = client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": tokens}).json()
+
+    assert body["requested_blocks"] == 4 and body["prefix_blocks"] == 4
+    first, second = body["deployments"]
+    assert first["model_digest"] == dep.model_digest
+    assert (first["block_size"], first["requested_blocks"], first["error"]) == (16, 4, None)
+    assert first["tiers"] == {"s3": 3, "disk": 3}
+    assert first["instances"] == [
+        {"instance": "node-a", "cpu": 4, "disk": 2, "prefix_blocks": 4},
+        {"instance": "node-b", "cpu": 0, "disk": 0, "prefix_blocks": 3},  # S3 serves it three
+    ]
+    assert (second["block_size"], second["requested_blocks"], second["prefix_blocks"]) == (32, 2, 1)
+    assert second["instances"] == [{"instance": "node-c", "cpu": 0, "disk": 1, "prefix_blocks": 1}]
+    # The same answer by hashes, for the deployment whose hashes they are.
+    hexes = [h.hex() for h in hashes]
+    by_hashes = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": hexes})
+    assert by_hashes.json()["deployments"][0] == first
+    # An instance that stops refreshing is gone once its TTL has passed.
+    redis.client.zadd(f"tc:{{{dep.model_digest}}}:instances", {"node-b": time.time() - 1})
+    body = client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": tokens}).json()
+    assert [i["instance"] for i in body["deployments"][0]["instances"]] == ["node-a"]
+
+
+def test_lookup_by_token_ids_says_why_a_deployment_cannot_be_hashed(stack, redis):
+    config, client = stack
+    older = store(config, [])  # registered before block hashing was
+    secret = register_hashing(redis, store(config, []), block_size=16, hash_algo="xxhash", hash_seed=None)
+    body = client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": list(range(40))}).json()
+    errors = {d["model_digest"]: d["error"] for d in body["deployments"]}
+    assert "older tiercache" in errors[older.model_digest]
+    assert "random seed" in errors[secret.model_digest]
+    assert body["prefix_blocks"] == 0 and body["requested_blocks"] == 0
+
+
+def test_presence_stays_within_its_redis_budget_and_is_rewritten_when_lost(redis):
+    """At most 200 bytes of Redis per block; a hash lost (expired, deleted) while the
+    publisher thought it there is written whole again, never left half."""
+    publisher = PresencePublisher(redis, "f" * 16, "node-a")
+    many = blocks(20000)
+    for block in many:
+        publisher.update(block, "cpu", True)
+    assert publisher.flush()
+    key = f"tc:{{{'f' * 16}}}:at:node-a"
+    assert redis.client.hlen(key) == len(many)
+    per_block = redis.client.memory_usage(key, samples=0) / len(many)
+    assert per_block <= 200, per_block
+    redis.client.delete(key)  # as if the thread had stalled past the TTL
+    publisher.update(many[0], "disk", True)
+    assert publisher.flush()  # writes the change, finds the hash gone ...
+    assert redis.client.hlen(key) == 1
+    assert publisher.flush()  # ... and rewrites it whole on the next batch
+    assert redis.client.hlen(key) == len(many) and redis.client.hget(key, many[0]) == b"3"
+
+
 BAD_LOOKUPS = [
     ({"namespace": "ns1", "block_hashes": []}, "block_hashes"),
     ({"namespace": "ns1", "block_hashes": ["xyz" * 8]}, "block_hashes.0"),
@@ -239,6 +334,14 @@ BAD_LOOKUPS = [
     ({"namespace": "a" * 129, "block_hashes": ["00" * 32]}, "namespace"),
     ({"block_hashes": ["00" * 32]}, "namespace"),
     ({"namespace": "ns1"}, "block_hashes"),
+    ({"namespace": "ns1", "block_hashes": ["00" * 32], "token_ids": [1]}, "token_ids"),
+    ({"namespace": "ns1", "token_ids": []}, "token_ids"),
+    ({"namespace": "ns1", "token_ids": [-1]}, "token_ids.0"),
+    ({"namespace": "ns1", "token_ids": [1, True]}, "token_ids.1"),
+    ({"namespace": "ns1", "token_ids": ["5"]}, "token_ids.0"),
+    ({"namespace": "ns1", "token_ids": [1.5]}, "token_ids.0"),
+    ({"namespace": "ns1", "token_ids": None}, "token_ids"),
+    ({"namespace": "ns1", "token_ids": [0] * (MAX_LOOKUP_TOKENS + 1)}, "token_ids"),
     ({"namespace": "ns1", "block_hashes": ["00" * 32], "extra": 1}, "extra"),
     ({"namespace": "ns1", "block_hashes": ["00" * 8] * (MAX_LOOKUP_HASHES + 1)}, "block_hashes"),
     ([], "body"),

@@ -179,6 +179,25 @@ class MoverConfig(_Strict):
     )
 
 
+class PresenceConfig(_Strict):
+    """What this instance publishes to Redis for routers: which blocks its CPU and disk
+    tiers hold (tiercache/presence.py), read by the service's `/v1/lookup`."""
+
+    enabled: bool = Field(
+        default=True, description="publish this instance's CPU and disk blocks (needs redis_url)"
+    )
+    ttl: float = Field(
+        default=30.0, ge=3, le=3600, description="seconds an instance's presence outlives its last refresh"
+    )
+    interval: float = Field(default=1.0, gt=0, le=60, description="seconds between two batches of changes")
+
+    @model_validator(mode="after")
+    def _ttl_covers_refreshes(self) -> PresenceConfig:
+        if self.ttl <= 2 * self.interval:
+            raise ValueError("presence.ttl must exceed twice presence.interval, or a live instance expires")
+        return self
+
+
 INTEGRITY_KEY_MIN = 32
 
 
@@ -195,6 +214,14 @@ class TierCacheConfig(_Strict):
     movers: MoverConfig = MoverConfig()
     store_decode: bool = Field(default=False, description="also store blocks filled by decode")
     model_revision: str | None = Field(default=None, description="part of the namespace digest")
+    instance_id: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$",
+        description="this vLLM instance's name in lookup answers: what a router maps to an endpoint "
+        "(the pod's name, host:port). Default: <hostname>-<engine core pid>",
+    )
+    presence: PresenceConfig = PresenceConfig()
     integrity_key: SecretStr | None = Field(
         default=None,
         description="a secret every writer and reader of the disk and S3 tiers shares: each object "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.redis_conn import GuardedRedis
@@ -74,7 +74,13 @@ return found
 
 @dataclass(frozen=True)
 class Deployment:
-    """What the registry records of one model deployment (all its TP ranks)."""
+    """What the registry records of one model deployment (all its TP ranks).
+
+    The last three fields say how the deployment names its blocks, so that the
+    service can turn a router's token ids into the same hashes (tiercache/block_hashing.py):
+    tokens per block, vLLM's `prefix_caching_hash_algo`, and the seed NONE_HASH comes
+    from. They are empty in registrations written before they existed, and `hash_seed`
+    is None where the engine's seed is a random one only it knows."""
 
     model_digest: str
     namespace: str
@@ -82,6 +88,9 @@ class Deployment:
     tp_size: int
     rank_digests: tuple[str, ...]
     object_bytes: int  # size of one rank's object (header + pages)
+    block_size: int = 0
+    hash_algo: str = ""
+    hash_seed: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -90,8 +99,10 @@ class Deployment:
     def from_json(cls, raw: str | bytes) -> Deployment:
         data = json.loads(raw)
         data["rank_digests"] = tuple(data["rank_digests"])
-        return cls(**data)
-
+        # A field a newer tiercache added is ignored here rather than making the entry
+        # unreadable: instances of two versions share one registry during an upgrade.
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
 
 def index_key(model_digest: str, rank_digest: str) -> str:
     return f"tc:{{{model_digest}}}:idx:{rank_digest}"

@@ -8,22 +8,37 @@ copies itself) decide alike.
 A block is named by its hash (bytes). A slot is pinned while anything copies into or
 out of it; a pinned slot is never evicted or handed to another block. A block counts
 as ready only once its slot is filled (on every rank, in vLLM): a block whose slot is
-taken but not filled is neither a hit nor worth storing again."""
+taken but not filled is neither a hit nor worth storing again.
+
+A watcher (`BlockPolicy.watcher`, optional) is told each time a block becomes
+readable in a tier or stops being so: the connector turns that into vLLM's KV events
+and the instance's presence in Redis (connector/events.py)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator
 
-__all__ = ["BlockPolicy", "CpuTierFull"]
+__all__ = ["BlockPolicy", "CpuTierFull", "TierWatcher"]
+
+
+class TierWatcher(Protocol):
+    def added(self, tier: str, block: bytes) -> None:
+        """`block` can now be read from `tier` (CPU: its slot is filled; disk: every
+        rank's disk holds it)."""
+
+    def removed(self, tier: str, block: bytes) -> None:
+        """`block` can no longer be read from `tier` (evicted, failed, gone, cleared)."""
 
 
 class BlockPolicy:
     def __init__(self, num_slots: int, slot_bytes: int, *, write_back: bool):
         self.slots = SlotAllocator(num_slots, slot_bytes)
         self.write_back = write_back
+        self.watcher: TierWatcher | None = None
         self.ready: set[bytes] = set()  # blocks whose CPU slot is filled
         self.on_disk: OrderedDict[bytes, None] = OrderedDict()  # blocks the node's disk holds
         self._write_backs: list[tuple[bytes, int]] = []
@@ -58,7 +73,7 @@ class BlockPolicy:
         refilled (`take_write_backs`). Raises CpuTierFull when every slot is pinned."""
         slot, evicted = self.slots.allocate(block)
         if evicted is not None:
-            self.ready.discard(evicted)
+            self._unready(evicted)
             if self.write_back and evicted not in self.on_disk:
                 self._write_backs.append((evicted, slot))
         return slot
@@ -86,22 +101,37 @@ class BlockPolicy:
         (the block failed or moved since)."""
         if not self.holds(block, slot):
             return False
-        self.ready.add(block)
+        if block not in self.ready:
+            self.ready.add(block)
+            if self.watcher is not None:
+                self.watcher.added(CPU, block)
         return True
 
     def fill_failed(self, block: bytes, slot: int) -> None:
         """The block could not be copied in: forget it (the slot is freed on its last
         release)."""
         if self.holds(block, slot):
-            self.ready.discard(block)
+            self._unready(block)
             self.slots.remove(block)
+
+    def _unready(self, block: bytes) -> None:
+        if block in self.ready:
+            self.ready.discard(block)
+            if self.watcher is not None:
+                self.watcher.removed(CPU, block)
 
     # -- the disk tier ----------------------------------------------------------------------
     def stored_on_disk(self, block: bytes) -> None:
-        self.on_disk[block] = None
+        if block not in self.on_disk:
+            self.on_disk[block] = None
+            if self.watcher is not None:
+                self.watcher.added(DISK, block)
 
     def gone_from_disk(self, block: bytes) -> None:
-        self.on_disk.pop(block, None)
+        if block in self.on_disk:
+            del self.on_disk[block]
+            if self.watcher is not None:
+                self.watcher.removed(DISK, block)
 
     def promotes_to_disk(self, tier: str, has_disk: bool) -> bool:
         """A hit from S3 is kept on the node's disk too (it is staged in the CPU tier
@@ -110,6 +140,11 @@ class BlockPolicy:
 
     def clear(self) -> None:
         """Forget everything: a slot still pinned by a transfer is freed on its release."""
+        if self.watcher is not None:
+            for block in self.ready:
+                self.watcher.removed(CPU, block)
+            for block in self.on_disk:
+                self.watcher.removed(DISK, block)
         self.ready.clear()
         self.slots.clear()
         self.on_disk.clear()

@@ -14,11 +14,20 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
-from tiercache.index import RedisIndex
+from tiercache.index import Deployment, RedisIndex
+from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
 from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, GcBusy, gc_redis_client, registered_deployments, run_gc
-from tiercache.service.models import DeploymentHit, LookupRequest, LookupResponse, TierBlocks
+from tiercache.service.models import (
+    MAX_LOOKUP_HASHES,
+    DeploymentHit,
+    InstanceHit,
+    LookupRequest,
+    LookupResponse,
+    TierBlocks,
+)
 from tiercache.service.stats import tier_stats
 from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.s3 import S3Tier, make_client
@@ -197,35 +206,70 @@ class ServiceState:
         return len(hashes)
 
     def lookup(self, request: LookupRequest) -> LookupResponse:
-        hashes = request.block_hashes
+        requested = len(request.block_hashes) if request.block_hashes is not None else 0
         hits: list[DeploymentHit] = []
         if self.index is not None:
-            raw = [bytes.fromhex(h) for h in hashes]
             deployments = [d for d in registered_deployments(self.redis) if d.namespace == request.namespace]
+            hashed: dict[tuple, list[bytes]] = {}  # token ids hashed once per way of hashing
             for dep in sorted(deployments, key=lambda d: d.model_digest):
-                # touch=False: a router asking is not a use, so GC order is left alone.
-                s3_blocks = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False)
-                disk_blocks = (
-                    self._disk_prefix(dep.rank_digests, hashes) if self.disk is not None else None
-                )
-                hits.append(
-                    DeploymentHit(
-                        model_digest=dep.model_digest,
-                        model=dep.model,
-                        tp_size=dep.tp_size,
-                        prefix_blocks=max(s3_blocks, disk_blocks or 0),
-                        tiers=TierBlocks(s3=s3_blocks, disk=disk_blocks),
-                    )
-                )
+                hit = self._lookup_deployment(dep, request, hashed)
+                requested = max(requested, hit.requested_blocks)
+                hits.append(hit)
         hits.sort(key=lambda h: -h.prefix_blocks)
         best = hits[0].prefix_blocks if hits else 0
-        self._count_lookup(request.namespace, len(hashes), best)
+        self._count_lookup(request.namespace, requested, best)
         return LookupResponse(
             namespace=request.namespace,
-            requested_blocks=len(hashes),
+            requested_blocks=requested,
             prefix_blocks=best,
             deployments=hits,
         )
+
+    def _lookup_deployment(self, dep: Deployment, request: LookupRequest, hashed: dict) -> DeploymentHit:
+        error = None
+        if request.block_hashes is not None:
+            raw = [bytes.fromhex(h) for h in request.block_hashes]
+        else:
+            try:
+                raw = self._hash_tokens(dep, request.token_ids, hashed)
+            except ValueError as why:
+                raw, error = [], str(why)
+        # touch=False: a router asking is not a use, so GC order is left alone.
+        s3 = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False) if raw else 0
+        disk = self._disk_prefix(dep.rank_digests, [h.hex() for h in raw]) if self.disk is not None else None
+        instances = [
+            InstanceHit(instance=p.instance, cpu=p.cpu, disk=p.disk, prefix_blocks=max(p.local, s3))
+            for p in instance_prefixes(self.redis, dep.model_digest, raw)
+        ]
+        instances.sort(key=lambda i: (-i.prefix_blocks, i.instance))
+        best_instance = instances[0].prefix_blocks if instances else 0
+        return DeploymentHit(
+            model_digest=dep.model_digest,
+            model=dep.model,
+            tp_size=dep.tp_size,
+            block_size=dep.block_size or None,
+            requested_blocks=len(raw) if error is None else 0,
+            prefix_blocks=max(s3, disk or 0, best_instance),
+            tiers=TierBlocks(s3=s3, disk=disk),
+            instances=instances,
+            error=error,
+        )
+
+    @staticmethod
+    def _hash_tokens(dep: Deployment, token_ids: list[int], hashed: dict) -> list[bytes]:
+        """vLLM's block hashes of `token_ids` as `dep`'s engines compute them."""
+        if not dep.block_size or not dep.hash_algo:
+            raise ValueError("registered without its block hashing (an older tiercache): pass block_hashes")
+        if dep.hash_seed is None:
+            raise ValueError(
+                f"its engines hash blocks with {dep.hash_algo} and a random seed (PYTHONHASHSEED unset), "
+                "which only they know: pass block_hashes, or set PYTHONHASHSEED"
+            )
+        way = (dep.hash_algo, dep.block_size, dep.hash_seed)
+        if way not in hashed:
+            hashing = BlockHashing(dep.hash_algo, dep.block_size, dep.hash_seed)
+            hashed[way] = hashing.block_hashes(token_ids)[:MAX_LOOKUP_HASHES]
+        return hashed[way]
 
     # -- GC ---------------------------------------------------------------------------
     def run_gc(self, sweep_orphans: bool = True, grace_seconds: float | None = None, wait: bool = False):

@@ -1,0 +1,132 @@
+"""What the scheduler tells the outside world about its tiers: vLLM KV events (through
+the connector's `take_events`, which vLLM's own publisher sends on, e.g. over ZMQ with
+`--kv-events-config`) and this instance's presence in Redis for routers.
+
+Both come from one place, the scheduler's BlockPolicy, through its watcher: a block is
+stored to a tier when it becomes readable there (CPU: every rank filled its slot;
+disk: every rank's disk holds it) and removed when it stops being so (evicted, a
+failed fill, gone from disk, a cache reset).
+
+Events name blocks by vLLM's own hash, the one vLLM publishes for its GPU blocks, so a
+subscriber can join a block's GPU and tier events. Until `/reset_prefix_cache` the
+scheduler's block key is that hash; after it, keys are derived under a weights epoch
+(scheduler._block_key), and the scheduler tells this class each key's vLLM hash as it
+plans a store or a load (`name`). A block whose hash is not known is not published.
+
+The S3 tier is not published here: it is shared by every instance and kept by the
+service's GC, so no one scheduler sees its changes; the lookup API answers for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiercache.presence import PresencePublisher
+from tiercache.tiers import CPU, DISK
+
+# vLLM's names for offloaded media (vllm/distributed/kv_events.py MEDIUM_CPU and
+# MEDIUM_STORAGE, as its OffloadingConnector publishes them: CPU for host memory,
+# STORAGE for its file-system tier, with the locality saying whose storage it is).
+MEDIUM = {CPU: "CPU", DISK: "STORAGE"}
+LOCALITY = "LOCAL"
+# Names the producer of the event among offloading tiers (vLLM's `ownership` field).
+OWNERSHIP = "tiercache"
+# One KV cache group (the connector refuses hybrid models' several).
+_EXTRA = {"group_idx": 0, "locality": LOCALITY, "ownership": OWNERSHIP}
+
+
+class TierEvents:
+    """The policy's watcher: records each change for vLLM's KV events (when the
+    engine publishes them) and for the presence publisher (when there is one)."""
+
+    def __init__(self, policy, block_size: int, *, publish: bool, presence: PresencePublisher | None):
+        self.policy = policy
+        self.block_size = block_size
+        self.publish = publish
+        self.presence = presence
+        self._changes: list[tuple[bool, str, bytes]] = []  # (stored, tier, vLLM hash), in order
+        # Tiercache key -> vLLM hash, only after a reset (before it they are the same).
+        self._keyed = False
+        self._names: dict[bytes, bytes] = {}
+
+    # -- naming -------------------------------------------------------------------------
+    def name(self, key: bytes, vllm_hash: bytes) -> None:
+        """`key` is the block vLLM calls `vllm_hash` (the scheduler plans a store or a
+        load of it). Only kept while keys and hashes differ."""
+        if self._keyed:
+            self._names[key] = vllm_hash
+            # A name outlives its block only when the block never became readable
+            # (a failed fill): drop such names once they outnumber the blocks held.
+            if len(self._names) > 2 * (len(self.policy.slots) + len(self.policy.on_disk)) + 1024:
+                self._prune()
+
+    def _vllm_hash(self, key: bytes) -> bytes | None:
+        return self._names.get(key) if self._keyed else key
+
+    def _prune(self) -> None:
+        held = self.policy.slots
+        self._names = {k: h for k, h in self._names.items() if k in held or k in self.policy.on_disk}
+
+    def reset(self) -> None:
+        """From now on keys are derived under a weights epoch (the policy was just
+        cleared, and its removals are already recorded under the old names)."""
+        self._keyed = True
+        self._names.clear()
+
+    # -- the policy's watcher ------------------------------------------------------------
+    def added(self, tier: str, block: bytes) -> None:
+        self._record(True, tier, block)
+
+    def removed(self, tier: str, block: bytes) -> None:
+        self._record(False, tier, block)
+        if self._keyed and self.policy.local_tier(block) is None and block not in self.policy.slots:
+            self._names.pop(block, None)
+
+    def _record(self, stored: bool, tier: str, key: bytes) -> None:
+        vllm_hash = self._vllm_hash(key)
+        if vllm_hash is None:
+            return
+        if self.presence is not None:
+            self.presence.update(vllm_hash, tier, stored)
+        if self.publish:
+            self._changes.append((stored, tier, vllm_hash))
+
+    # -- vLLM's KV events ------------------------------------------------------------------
+    def take(self) -> list[Any]:
+        """This step's changes as vLLM KV events, in the order they happened: one
+        BlockStored per block (with no parent or token ids, which the GPU event for
+        the same hash carries), one BlockRemoved per run of removals from one tier."""
+        changes, self._changes = self._changes, []
+        if not changes:
+            return []
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        # Fields older vLLM builds' events lack are left out rather than refused.
+        extra = {k: v for k, v in _EXTRA.items() if k in BlockStored.__struct_fields__}
+        events: list[Any] = []
+        removed: list = []
+        removed_tier = None
+        for stored, tier, vllm_hash in changes:
+            if removed and (stored or tier != removed_tier):
+                events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra))
+                removed = []
+            external = maybe_convert_block_hash(vllm_hash)  # bytes, or int if vLLM is asked for ints
+            if stored:
+                events.append(
+                    BlockStored(
+                        block_hashes=[external],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=MEDIUM[tier],
+                        lora_name=None,
+                        **extra,
+                    )
+                )
+            else:
+                removed.append(external)
+                removed_tier = tier
+        if removed:
+            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra))
+        return events
