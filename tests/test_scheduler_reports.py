@@ -394,3 +394,27 @@ def test_after_a_cache_reset_no_block_computed_before_is_served():
     assert {op.block_hash for op in again}.isdisjoint(blocks)
     report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in again])
     assert sched.get_num_new_matched_tokens(request("r6", blocks), 0) == (2 * BLOCK, False)
+
+
+# -- a failed load is not offered again at once ----------------------------------------
+def test_a_block_whose_load_failed_is_not_offered_again_to_the_rescheduled_request():
+    """A transient failure (an S3 timeout) leaves the block indexed, on purpose. vLLM
+    reschedules the request and asks again: offered the same block, it would wait
+    out the same timeout and fail again, for ever. For a while the block is a miss."""
+    from tiercache.connector.load_failures import RecentLoadFailures
+
+    sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    now = [0.0]
+    sched.load_failures = RecentLoadFailures(seconds=30, clock=lambda: now[0])
+    blocks = [bytes([i]) * 32 for i in range(3)]
+    for block in blocks:
+        sched.policy.stored_on_disk(block)
+    req = request("r1", blocks)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 3 * BLOCK)
+    (job,) = store(sched, request("other", [b"z" * 32]), [9, 10]).loads
+    report(sched, 0, (FILLED, (blocks[0], job.ops[0].slot)), (FILL_FAILED, (blocks[1], job.ops[1].slot)))
+    # Rescheduled: the blocks up to the failed one are still offered, not past it.
+    assert sched.get_num_new_matched_tokens(req, 0) == (BLOCK, False)
+    now[0] = 31.0  # the tier may have recovered: the block is offered again
+    assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (3 * BLOCK, True)
