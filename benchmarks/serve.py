@@ -234,7 +234,10 @@ def foreign_vllm() -> list[str]:
     import psutil
 
     ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    found = subprocess.run(["pgrep", "-afi", "vllm|api_server"], capture_output=True, text=True).stdout
+    # vLLM's modules and its engine process's title; not a bare "vllm", which pytest's
+    # "-m 'not vllm'" of other people's test runs matches too.
+    pattern = r"vllm\.|vllm_runner|vllm::|api_server"
+    found = subprocess.run(["pgrep", "-afi", pattern], capture_output=True, text=True).stdout
     return [line for line in found.splitlines() if line and int(line.split()[0]) not in ours]
 
 
@@ -567,10 +570,10 @@ def save(name: str, data: dict[str, Any]) -> Path:
 # -- reporting ---------------------------------------------------------------------------
 def table(data: dict[str, Any]) -> str:
     lines = [
-        "| trace | config | mean TTFT (ms) | p90 TTFT (ms) | req/s | output tok/s | hit tokens: "
-        "vLLM / CPU / disk / S3 or LMCache | hit rate | x(a) mean TTFT | x(a) p90 | x(a) req/s "
-        "| x(a) tok/s | x LMCache req/s |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| trace | config | mean TTFT (ms) | p90 TTFT (ms) | req/s | output tok/s | hit tokens by source: "
+        "vLLM / host / disk / external | tiercache blocks loaded: CPU / disk / S3 | hit rate "
+        "| x(a) mean TTFT | x(a) p90 | x(a) req/s | x(a) tok/s | x LMCache req/s |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for trace in TRACES:
         for name in CONFIGS:
@@ -587,6 +590,10 @@ def table(data: dict[str, Any]) -> str:
             h = s["hit_tokens_by_source"]
             r = s.get("vs_prefix_cache", {})
             lm = s.get("vs_lmcache", {})
+            c = s["counters"]
+            tiers = ("cpu", "disk", "s3")
+            loaded = " / ".join(f"{c[f'tiercache_loaded_blocks_{t}']:.0f}" for t in tiers)
+            loaded = loaded if name.startswith("tiercache") else "-"
 
             def x(d: dict, k: str) -> str:
                 return f"{d[k]:.2f}" if k in d else "-"
@@ -595,6 +602,7 @@ def table(data: dict[str, Any]) -> str:
                 f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
                 f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
                 f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['disk']:.0f} / {h['external']:.0f} "
+                f"| {loaded} "
                 f"| {s['hit_rate']:.2f} | {x(r, 'ttft_mean')} | {x(r, 'ttft_p90')} "
                 f"| {x(r, 'request_throughput')} | {x(r, 'output_throughput')} "
                 f"| {x(lm, 'request_throughput')} |"
@@ -640,7 +648,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.bar(xs, share, bottom=bottom, color=colour, label=source if row == 0 else None)
             bottom = [b + v for b, v in zip(bottom, share, strict=True)]
         ax.set_ylim(0, 1)
-        ax.set_title(f"{trace}: prompt tokens served from a cache")
+        ax.set_title(f"{trace}: cached prompt tokens")
         if row == 0:
             ax.legend(fontsize=8, loc="upper left")
         for ax in axes[row]:
