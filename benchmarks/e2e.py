@@ -127,7 +127,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         shared = {
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
-            "movers": {"shutdown_flush_seconds": 300},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},  # each tier's own hit
         }
         engine(
             "tiercache",
@@ -427,7 +427,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
                 "disk": {"path": str(work / "store-disk-b")},
                 "redis_url": redis_server.url,
                 "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "store/"},
-                "movers": {"shutdown_flush_seconds": 300},
+                "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},  # each tier's own hit
             },
         }
         if args.only:

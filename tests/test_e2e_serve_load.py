@@ -33,7 +33,7 @@ from tiercache.testing.serving import (
     text_of,
     write_word_tokenizer,
 )
-from tiercache.testing.vllm_runner import connector_config
+from tiercache.testing.vllm_runner import connector_config, loading_every_hit
 
 from support.faults import TcpProxy
 
@@ -363,13 +363,14 @@ def reference(model, workdir) -> Run:
 @pytest.fixture(scope="module")
 def tiers(workdir, redis_url, s3_endpoint) -> dict:
     create_bucket(s3_endpoint, "tc-load")
-    return {
+    # Hits from every tier are what this test checks, not the cost model's choices.
+    return loading_every_hit({
         "namespace": "load",
         "redis_url": redis_url,
         "cpu": {"capacity": CPU_TIER_SLOTS * KV_BLOCK_BYTES},
         "disk": {"path": str(workdir / "disk")},
         "s3": {"bucket": "tc-load", "endpoint_url": s3_endpoint, "region": "us-east-1", "prefix": "load/"},
-    }
+    })
 
 
 @pytest.fixture(scope="module")

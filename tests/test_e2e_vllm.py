@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, run_engine
+from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def other_model(workdir) -> str:
 
 
 def engine(model, workdir, extra=None, items=(), **spec):
-    kv = connector_config(extra) if extra is not None else None
+    kv = connector_config(loading_every_hit(extra)) if extra is not None else None
     return run_engine({"model": model, "kv_transfer_config": kv, "prompts": items, **spec}, workdir / "runs")
 
 

@@ -31,7 +31,7 @@ from tiercache.index import REGISTRY, Deployment, index_key
 from tiercache.s3_gc import run_gc
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import RedisServer, create_bucket
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, run_engine
+from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
 
@@ -162,7 +162,9 @@ def reference(world):
 
 
 def engine_spec(world: World, items: list[dict]) -> dict:
-    return {"model": world.model, "kv_transfer_config": connector_config(world.config()), "prompts": items}
+    # Each scenario is about what a load from a tier does when it fails: load every hit.
+    kv = connector_config(loading_every_hit(world.config()))
+    return {"model": world.model, "kv_transfer_config": kv, "prompts": items}
 
 
 # -- engine 1: store everything, then SIGKILL it while uploads are in flight -----------------

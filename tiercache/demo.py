@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.vllm_runner import connector_config, run_engine
+from tiercache.testing.vllm_runner import connector_config, loading_every_hit, run_engine
 
 BLOCK = 32
 
@@ -75,7 +75,8 @@ def run_demo(
             out = run_engine(
                 {
                     "model": model,
-                    "kv_transfer_config": connector_config(extra),
+                    # Shows each tier's hit, whatever it costs against recomputing.
+                    "kv_transfer_config": connector_config(loading_every_hit(extra)),
                     "prompts": runs,
                     "max_model_len": max(4096, prompt_tokens + 64),
                 },
