@@ -1,0 +1,161 @@
+"""vLLM's GPU call order, replayed (issue 20, item 3).
+
+tests/data/connector_calls.json holds the connector calls of one real engine session
+on vLLM's CPU build (whose model runner is the GPU model runner), recorded by
+scripts/record_connector_calls.py: hits from the CPU tier, disk and S3, stores,
+preemptions and aborts. Here the worker half replays them without vLLM, on CPU
+tensors in FlashAttention's and FlashInfer's GPU layouts, copied by the CPU backend's
+threads or by the CUDA path's kernels under Triton's interpreter; the forward checks,
+layer by layer, that every block it reads holds the KV of its block hash
+(tiercache/testing/replay.py). No GPU was lent to this work: the CUDA streams and
+events themselves are not exercised here."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from tiercache.connector import worker as worker_module
+from tiercache.connector.copier import PagedKVCopier
+from tiercache.testing.replay import Replay, recorded_reports
+
+RECORDING = Path(__file__).parent / "data" / "connector_calls.json"
+# How vLLM's model runner ends every step, forward or not.
+STEP_END = [
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+]
+
+
+@pytest.fixture(scope="module")
+def recording() -> dict:
+    return json.loads(RECORDING.read_text())
+
+
+@pytest.fixture
+def tiers(tmp_path, redis, redis_url, s3_endpoint, bucket) -> dict:
+    # `redis` empties the shared Redis: an index entry left by an earlier replay would
+    # make this one skip its upload, as a writer does for an object already indexed.
+    return {
+        "redis_url": redis_url,
+        "disk": {"path": str(tmp_path / "disk"), "capacity": 1 << 30},
+        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1", "capacity": 1 << 30},
+    }
+
+
+def steps(calls: list) -> list[list]:
+    """The calls grouped by step: from a handle_preemptions to the next one (set-up
+    and shutdown apart)."""
+    out: list[list] = []
+    for call in calls:
+        if call[0] in ("handle_preemptions", "shutdown") or not out:
+            out.append([])
+        out[-1].append(call)
+    return out
+
+
+def test_the_recording_holds_what_the_replay_needs(recording):
+    summary = recording["summary"]
+    assert {"cpu", "disk", "s3"} <= set(summary["loaded_blocks_by_tier"])
+    assert set(summary["loaded_reads_checked"]) == {"cpu", "disk", "s3"}
+    assert summary["preemptions"] > 0 and summary["resumed"] > 0
+    assert len(summary["aborted"]) == 2
+    assert summary["failed_blocks"] == 0
+    assert RECORDING.stat().st_size < 1 << 20
+
+
+def test_the_recording_shows_vllms_gpu_call_order(recording):
+    """start_load_kv comes before the forward exactly in steps with synchronous loads;
+    the forward waits for each layer before saving it; the step ends as vLLM's model
+    runner ends it."""
+    schedule = {step["step"]: step for step in recording["schedule"]}
+    layers = recording["kv"]["layers"]
+    sync_steps = forward_steps = 0
+    for calls in steps(recording["workers"]["0"]):
+        names = [call[0] for call in calls]
+        if names == ["register_kv_caches"] or names == ["shutdown"]:
+            continue
+        assert names[:2] == ["handle_preemptions", "bind"], names
+        step = schedule[calls[1][1]["step"]]
+        assert calls[0][1] == step["step"]
+        forward = [i for i, name in enumerate(names) if name in ("wait_for_layer_load", "save_kv_layer")]
+        start = names.index("start_load_kv")
+        if forward:
+            forward_steps += 1
+            layer_calls = [calls[i] for i in forward]
+            # Per layer: wait for its load, (attention), hand its KV over; in that order.
+            assert [c[0] for c in layer_calls] == ["wait_for_layer_load", "save_kv_layer"] * len(layers)
+            assert [c[1] for c in layer_calls[::2]] == [c[1] for c in layer_calls[1::2]]
+            assert {c[1] for c in layer_calls} == set(layers)
+            before = start < forward[0]
+            assert before == step["sync_loads"], (step["step"], names)
+            sync_steps += before
+        else:
+            assert not step["tokens"]
+        assert names[-len(STEP_END) :] == STEP_END, names
+        if not step["sync_loads"]:  # started right after the forward was launched
+            assert names[start + 1] == "wait_for_save", names
+    assert sync_steps == recording["summary"]["steps_with_sync_loads"] > 0
+    assert forward_steps == recording["summary"]["steps_with_forward"]
+
+
+@pytest.fixture(params=["threads (CPU backend)", "per-layer kernels (CUDA path's twin)"])
+def copy_path(request, monkeypatch):
+    if request.param.startswith("per-layer"):
+        request.getfixturevalue("interpreted")
+        kernels = functools.partial(PagedKVCopier, staged=True, fused=True)
+        monkeypatch.setattr(worker_module, "PagedKVCopier", kernels)
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+def test_replay_in_vllms_order_reads_every_block_as_written(recording, tiers, layout, copy_path):
+    result = Replay(recording, layout, tiers).run()
+    summary = recording["summary"]
+    assert result.steps == summary["steps"]
+    layers = len(recording["kv"]["layers"])
+    # Every loaded block, checked at every layer of every forward that reads it.
+    assert dict(result.loaded_reads_checked) == {
+        tier: reads * layers for tier, reads in summary["loaded_reads_checked"].items()
+    }
+    assert result.reads_checked == layers * sum(len(step["reads"]) for step in recording["schedule"])
+    assert dict(result.hits) == {
+        tier: n for tier, n in summary["loaded_blocks_by_tier"].items() if tier in ("cpu", "disk", "s3")
+    }
+    # Fills (stores and staged loads) are reported in the same steps as recorded;
+    # releases of write-downs may come later than the engine's last step.
+    recorded = recorded_reports(recording)
+    for kind in ("filled", "fill_failed"):
+        assert {k: v for k, v in result.reports.items() if k[0] == kind} == {
+            k: v for k, v in recorded.items() if k[0] == kind
+        }
+    released = {k: v for k, v in recorded.items() if k[0] == "released"}
+    assert all(result.reports[k] >= v for k, v in released.items())
+
+
+def test_replay_fails_when_loads_start_after_the_forward_that_reads_them(recording, tiers):
+    """vLLM's order broken on purpose: a synchronous CPU hit started after the forward."""
+    with pytest.raises(AssertionError, match="loaded from cpu.*does not hold its KV"):
+        Replay(recording, "flashinfer", tiers, loads_after_forward=True).run()
+
+
+def test_replay_fails_when_a_load_puts_the_wrong_bytes_in_a_block(recording, tiers):
+    """Two blocks of the first CPU hit swap slots: each gets the other's KV."""
+    broken = copy.deepcopy(recording)
+    for call in broken["workers"]["0"]:
+        if call[0] == "bind":
+            cpu_jobs = [job for job in call[1]["loads"] if not job["async"] and len(job["ops"]) > 1]
+            if cpu_jobs:
+                ops = cpu_jobs[0]["ops"]
+                ops[0][2], ops[1][2] = ops[1][2], ops[0][2]
+                break
+    with pytest.raises(AssertionError, match="loaded from cpu.*does not hold its KV"):
+        Replay(broken, "flash_attn", tiers).run()
