@@ -31,7 +31,9 @@ from collections.abc import Callable, Sequence
 from tiercache.tiers import CPU
 
 # A sample's weight relative to the one after it: the newest load counts for about a
-# quarter of an estimate, so a tier that turns 20x slower is judged so after one load.
+# quarter of an estimate, so one load 20x slower than the ones before makes the
+# estimate about 6x slower (and a load after a quiet spell, RECHECK_SECONDS, counts
+# alone).
 DECAY = 0.75
 # How long a tier's estimate stands without a new load before one request re-measures
 # it (at most one such load per tier per interval); samples older are forgotten.
