@@ -5,11 +5,15 @@ Two scrape targets on loopback: `tiercache serve` (its own series: index, GC, lo
 for routers, dependencies) over a real redis-server and moto's S3 server, and this test
 process, where a LocalTierCache (the tier engine and block policy the connector runs in
 vLLM's workers) has stored, evicted, written down and read back blocks on its CPU, disk
-and S3 tiers, so every tiercache_* family the connector exports has series. Every
-dashboard query over tiercache_* series must then return series through
-Prometheus' HTTP API, except those over series that exist only after a failure
-(QUIET_UNTIL_FAILURE). The vllm:* queries need a vLLM engine with the connector and are
-not evaluated here.
+and S3 tiers, so every tiercache_* family the connector exports has series. The
+counters that only move on a failure get theirs from real failures in this process: a
+mover queue of depth 1 flooded while S3 is slow (a dropped write), S3 behind a stopped
+proxy (a tier error) and Redis behind one (an index error). Every dashboard query over
+tiercache_* series must then return series through Prometheus' HTTP API.
+
+The vllm:* queries are evaluated against one vLLM OpenAI server (the CPU build) with
+the connector on a CPU and a disk tier, after prompts sent twice, so that the second
+round's blocks come from the connector.
 """
 
 from __future__ import annotations
@@ -26,14 +30,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import yaml
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, start_http_server
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import free_port
+from tiercache.testing.serving import VllmServer, metric, text_of, write_word_tokenizer
+from tiercache.testing.vllm_runner import connector_config, loading_every_hit
+
+from support.faults import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "tiercache.json"
@@ -41,14 +51,13 @@ BLOCK = 64 * 1024
 SCRAPE_INTERVAL_S = 1
 # Grafana's $__rate_interval is at least four scrape intervals.
 RATE_INTERVAL = "15s"
-# Labelled counters with no series until the first failure of their kind (a store
-# dropped under backpressure, a tier error, a failed Redis index call): on a healthy
-# run their panels show "No data", so their queries are not required to return series.
-QUIET_UNTIL_FAILURE = {
+# Labelled counters with no series until the first failure of their kind: a store
+# dropped under backpressure, a tier error, a failed Redis index call.
+FAILURE_COUNTERS = (
     "tiercache_mover_dropped_total",
     "tiercache_tier_errors_total",
     "tiercache_index_errors_total",
-}
+)
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -128,6 +137,99 @@ def drive_tier_engine(tmp_path: Path, redis_url: str, s3_endpoint: str, bucket: 
         cache.close()
 
 
+def counted(family: str) -> float:
+    """The sum of every sample of a counter in this process' registry (0 without series)."""
+    name = family.removesuffix("_total")
+    return sum(
+        sample.value
+        for collected in REGISTRY.collect()
+        if collected.name == name
+        for sample in collected.samples
+        if sample.name == family
+    )
+
+
+def cause_failures(redis_url: str, s3_endpoint: str, bucket: str) -> None:
+    """The failures the failure-only counters count, for real, in this process: a
+    LocalTierCache with a mover queue of one write, over Redis and S3 each behind a
+    proxy on loopback. A block's upload is slowed so the next store's write is dropped
+    (tiercache_mover_dropped_total); with the S3 proxy stopped a reader's download of
+    that block fails (tiercache_tier_errors_total); with the Redis proxy stopped its
+    read lease cannot be taken (tiercache_index_errors_total)."""
+    redis_link = TcpProxy(urllib.parse.urlsplit(redis_url).port).start()
+    s3_link = TcpProxy(urllib.parse.urlsplit(s3_endpoint).port).start()
+    config = build_config(
+        {
+            "cpu": {"capacity": 2 * BLOCK},
+            "redis_url": f"redis://127.0.0.1:{redis_link.port}/0",
+            "s3": {
+                "bucket": bucket,
+                "endpoint_url": s3_link.url,
+                "region": "us-east-1",
+                "max_attempts": 1,
+                "connect_timeout": 1,
+                "read_timeout": 5,
+            },
+            "movers": {"workers": 1, "queue_depth": 1},
+        },
+        environ={},
+    )
+    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
+    first, second, unknown = b"\x01" * 32, b"\x02" * 32, b"\xee" * 32
+    writer = LocalTierCache(config, shape, pin_memory=False)
+    reader = None
+    before = {family: counted(family) for family in FAILURE_COUNTERS}
+    try:
+        # The first block's upload, slowed by the proxy, holds the queue's only place;
+        # the second block's write-down finds it taken and is dropped.
+        s3_link.delay = 0.2
+        assert writer.put(first, np.random.default_rng(1).bytes(BLOCK)) is not None
+        assert writer.put(second, np.random.default_rng(2).bytes(BLOCK)) is not None
+        assert writer.engine.flush(timeout=60)
+        s3_link.delay = 0.0
+        assert counted("tiercache_mover_dropped_total") > before["tiercache_mover_dropped_total"]
+
+        # A reader with an empty CPU tier finds the first block only in S3, which is down.
+        reader = LocalTierCache(config, shape, pin_memory=False)
+        s3_link.stop()
+        assert reader.get(first) is None
+        assert counted("tiercache_tier_errors_total") > before["tiercache_tier_errors_total"]
+
+        # With Redis down, a download's read lease cannot be taken.
+        redis_link.stop()
+        assert reader.get(unknown) is None
+        assert counted("tiercache_index_errors_total") > before["tiercache_index_errors_total"]
+    finally:
+        for cache in (reader, writer):
+            if cache is not None:
+                cache.close()
+        s3_link.stop()
+        redis_link.stop()
+
+
+def wait_for_scrapes(base: str, targets: int) -> None:
+    """Enough successful scrapes of every target for a rate over RATE_INTERVAL."""
+    wait_until(lambda: http_ok(f"{base}/-/ready"), 60, "Prometheus to be ready")
+    wait_until(
+        lambda: len(query(base, f"sum_over_time(up[{RATE_INTERVAL}]) >= 4 and up == 1")) == targets,
+        90,
+        f"four successful scrapes of {targets} targets",
+    )
+
+
+def queries_without_series(base: str, pattern: str) -> tuple[int, list[str]]:
+    """How many dashboard queries mention a family matching `pattern`, and those of
+    them that return no series."""
+    checked, empty = 0, []
+    for title, expr in dashboard_queries():
+        if not re.search(pattern, expr):
+            continue
+        checked += 1
+        if not query(base, as_promql(expr)):
+            empty.append(f"{title}: {expr}")
+    return checked, empty
+
+
 @pytest.fixture
 def service(tmp_path, redis_url, s3_endpoint, bucket):
     """`tiercache serve` on a free loopback port, over the same Redis and bucket."""
@@ -190,6 +292,7 @@ def start_prometheus(tmp_path: Path, targets: dict[str, str]) -> tuple[subproces
 @pytest.mark.slow
 def test_dashboard_queries_return_series(tmp_path, redis_url, s3_endpoint, bucket, service):
     drive_tier_engine(tmp_path, redis_url, s3_endpoint, bucket)
+    cause_failures(redis_url, s3_endpoint, bucket)
     # This process's registry: the tier engine's series, as vLLM's /metrics shows them.
     engine_port = free_port()
     server, thread = start_http_server(engine_port, addr="127.0.0.1")
@@ -205,13 +308,7 @@ def test_dashboard_queries_return_series(tmp_path, redis_url, s3_endpoint, bucke
     targets = {"tiercache": service.removeprefix("http://"), "engine": f"127.0.0.1:{engine_port}"}
     prometheus, base = start_prometheus(tmp_path, targets)
     try:
-        wait_until(lambda: http_ok(f"{base}/-/ready"), 60, "Prometheus to be ready")
-        # Enough scrapes of both targets for a rate over RATE_INTERVAL.
-        wait_until(
-            lambda: len(query(base, f"count_over_time(up[{RATE_INTERVAL}]) >= 4 and up == 1")) == 2,
-            60,
-            "four successful scrapes of both targets",
-        )
+        wait_for_scrapes(base, len(targets))
         service_series = {
             sample["metric"]["__name__"]
             for sample in query(base, '{job="tiercache", __name__=~"tiercache_.+"}')
@@ -219,18 +316,84 @@ def test_dashboard_queries_return_series(tmp_path, redis_url, s3_endpoint, bucke
         expected = {"tiercache_dependency_up", "tiercache_gc_runs_total", "tiercache_service_lookups_total"}
         assert expected <= service_series, service_series
 
-        checked, empty = 0, []
-        for title, expr in dashboard_queries():
-            families = set(re.findall(r"\btiercache_[a-z0-9_]+", expr))
-            if not families or families <= QUIET_UNTIL_FAILURE:
-                continue
-            checked += 1
-            if not query(base, as_promql(expr)):
-                empty.append(f"{title}: {expr}")
-        assert checked >= 17
+        checked, empty = queries_without_series(base, r"\btiercache_[a-z0-9_]+")
+        assert checked >= 20
         assert not empty, "dashboard queries without series:\n" + "\n".join(empty)
+        for family in FAILURE_COUNTERS:
+            assert any(family in expr for _, expr in dashboard_queries()), family
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
         server.shutdown()
         thread.join(timeout=10)
+
+
+# -- vLLM's own series -------------------------------------------------------------
+VOCAB = 2048
+VLLM_BLOCK = 32
+# vLLM's paged KV of the tiny model: 2 layers x (K, V) x 2 heads x 32 tokens x 64 x 4 bytes.
+KV_BLOCK_BYTES = 2 * 2 * 2 * VLLM_BLOCK * 64 * 4
+PROMPT_TOKENS = (200, 232, 264)  # 6 to 8 full blocks each
+VLLM_ARGS = [
+    "--dtype", "float32",
+    "--block-size", str(VLLM_BLOCK),
+    "--max-model-len", "512",
+    "--kv-cache-memory-bytes", str(64 * KV_BLOCK_BYTES),
+    "--enforce-eager",
+    "--seed", "0",
+    # Without vLLM's own prefix cache, the second round's blocks come from the connector.
+    "--no-enable-prefix-caching",
+]  # fmt: skip
+VLLM_ENV = {
+    # A connector makes the CPU backend reserve one more core.
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "PYTHONHASHSEED": "0",
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_dashboard_vllm_queries_return_series(tmp_path):
+    model = write_tiny_llama(tmp_path / "model", vocab_size=VOCAB, max_positions=512)
+    write_word_tokenizer(model, VOCAB)
+    tiers = loading_every_hit(
+        {
+            "namespace": "dashboard",
+            "cpu": {"capacity": 64 * KV_BLOCK_BYTES},
+            "disk": {"path": str(tmp_path / "disk")},
+        }
+    )
+    args = [*VLLM_ARGS, "--kv-transfer-config", json.dumps(connector_config(tiers))]
+    vllm = VllmServer(model, args, tmp_path / "vllm.log", VLLM_ENV)
+    prometheus, base = start_prometheus(tmp_path, {"vllm": f"127.0.0.1:{vllm.port}"})
+    try:
+        vllm.wait_ready(timeout=300)
+        prompts = [
+            text_of([3 + (7 * i + 13 * p) % (VOCAB - 3) for i in range(length)])
+            for p, length in enumerate(PROMPT_TOKENS)
+        ]
+        for _ in range(2):  # the second round hits the connector's CPU tier
+            for prompt in prompts:
+                response = httpx.post(
+                    f"{vllm.base}/v1/completions",
+                    json={"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0},
+                    timeout=120,
+                )
+                assert response.status_code == 200, response.text
+        # Stats reach the front end a moment after the step.
+        wait_until(
+            lambda: metric(vllm.metrics(), "vllm:external_prefix_cache_hits_total") > 0,
+            30,
+            "the connector's hits in vLLM's /metrics",
+        )
+
+        wait_for_scrapes(base, 1)
+        checked, empty = queries_without_series(base, r"\bvllm:[a-z0-9_:]+")
+        assert checked >= 8
+        assert not empty, "dashboard queries without series:\n" + "\n".join(empty)
+        hits = query(base, 'sum(vllm:external_prefix_cache_hits_total{job="vllm"})')
+        assert hits and float(hits[0]["value"][1]) > 0, hits
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+        vllm.stop()
