@@ -141,8 +141,12 @@ class BlockPolicy:
     def clear(self) -> None:
         """Forget everything: a slot still pinned by a transfer is freed on its release."""
         if self.watcher is not None:
-            for block in self.ready:
-                self.watcher.removed(CPU, block)
+            # In the CPU tier's LRU order, not the ready set's (which follows the
+            # process's hash seed), so that subscribers see one order every run.
+            lru_order = self.slots.keys()
+            for block in lru_order:
+                if block in self.ready:
+                    self.watcher.removed(CPU, block)
             for block in self.on_disk:
                 self.watcher.removed(DISK, block)
         self.ready.clear()
