@@ -157,9 +157,11 @@ def test_events_carry_the_tiers_and_lookups_answer_from_them(tmp_path, redis, re
         assert set(first_hashes + second_hashes) <= set(subscriber.of("BlockStored", "GPU"))
         # Every block went to the CPU tier and to disk, under the same hashes.
         assert set(first_hashes + second_hashes) <= set(subscriber.of("BlockStored", "CPU"))
-        # Six slots, eight blocks: the oldest (the first prompt's first) was evicted.
+        # Six slots, eight blocks: some were evicted. Which ones depends on which slots
+        # a write to disk still held at the time (a pinned slot is never evicted);
+        # the LRU order itself is checked in tests/test_tier_events.py.
         removed = subscriber.of("BlockRemoved", "CPU")
-        assert first_hashes[0] in removed and set(removed) <= set(first_hashes + second_hashes)
+        assert removed and set(removed) <= set(first_hashes + second_hashes)
         stored = next(e for e in subscriber.events if e.medium == "STORAGE")
         assert (stored.locality, stored.ownership, stored.block_size) == ("LOCAL", "tiercache", BLOCK)
         assert subscriber.seqs == list(range(subscriber.seqs[0], subscriber.seqs[0] + len(subscriber.seqs)))
