@@ -11,6 +11,7 @@ is raised, never hidden."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +34,11 @@ except ModuleNotFoundError as missing:
     class KVConnectorMetadata:  # type: ignore[no-redef]
         """What the scheduler half sends the workers each step."""
 
-    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+    class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]
         """What each worker sends back each step; vLLM merges ranks with `aggregate`."""
 
-        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-            raise NotImplementedError
+        @abstractmethod
+        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata: ...
 
     @dataclass
     class KVConnectorStats:  # type: ignore[no-redef]

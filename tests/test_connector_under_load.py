@@ -10,6 +10,8 @@ from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import GaugeReport, TierCachePromMetrics, TierCacheStats
 from tiercache.keys import KVSpec
 
+from support.scheduler_steps import blocks_of, scheduler_output
+
 BLOCK = 32
 PAGE = 4096
 DISK = {"path": "/tmp/tiercache-unit-disk-never-created"}
@@ -33,20 +35,6 @@ def request(req_id: str, n_blocks: int):
     )
 
 
-def blocks_of(ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
-
-
-def idle_output():
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-    )
-
-
 def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
     """vLLM puts a request told "load asynchronously" in WAITING_FOR_REMOTE_KVS
     until a worker reports it in finished_recving, and the worker reports only jobs
@@ -61,7 +49,7 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
     for req, gpu in ((first, [1, 2, 3, 4]), (second, [5, 6, 7, 8])):
         assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
         sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
-    jobs = {job.req_id: job for job in sched.build_connector_meta(idle_output()).loads}
+    jobs = {job.req_id: job for job in sched.build_connector_meta(scheduler_output()).loads}
     assert jobs["r1"].is_async and [op.tier for op in jobs["r1"].ops] == ["disk"] * 3
     # The second's blocks are being staged for the first: they fail (vLLM recomputes
     # them), but the job is still the async load vLLM waits for.
@@ -87,7 +75,7 @@ def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup
     sched.policy.ready.discard(evicted)
     sched.slots.remove(evicted)
     sched.update_state_after_alloc(req, blocks_of([4, 5, 6]), 2 * BLOCK)
-    (job,) = sched.build_connector_meta(idle_output()).loads
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
     assert not job.is_async
 
 

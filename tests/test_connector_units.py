@@ -4,7 +4,6 @@ stand-in requests and scheduler outputs."""
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +16,12 @@ from tiercache.connector.metadata import (
     FILLED,
     ON_DISK,
     RELEASED,
-    TierCacheWorkerMetadata,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
+
+from support.scheduler_steps import blocks_of, new_request, report, scheduler_output
 
 NUM_BLOCKS = 12
 LAYOUTS = {
@@ -131,29 +131,6 @@ def request(req_id: str, n_blocks: int, extra_tokens: int = 1):
     )
 
 
-def output(new=(), cached=None, scheduled=None):
-    cached = cached or SimpleNamespace(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
-    )
-    scheduled = scheduled or {}
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-    )
-
-
-def blocks_of(ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
-
-
-def report(sched, *events, rank=0, hits=()):
-    """One step's reports from one rank, as the workers' metadata brings them."""
-    meta = TierCacheWorkerMetadata([(rank, kind, value) for kind, value in events], Counter(hits))
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
-
-
 def filled(op):
     return (FILLED, (op.block_hash, op.slot))
 
@@ -161,8 +138,8 @@ def filled(op):
 def store_prompt(sched, req, gpu_ids):
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, blocks_of(gpu_ids), 0)
-    new = SimpleNamespace(req_id=req.request_id, block_ids=(list(gpu_ids),), num_computed_tokens=0)
-    return sched.build_connector_meta(output([new], scheduled={req.request_id: req.num_tokens}))
+    new = new_request(req, gpu_ids)
+    return sched.build_connector_meta(scheduler_output([new], scheduled={req.request_id: req.num_tokens}))
 
 
 def test_a_block_counts_as_cached_only_after_every_rank_filled_it():
@@ -195,7 +172,7 @@ def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
     hit = request("r2", 2)
     assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
     sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
-    load_meta = sched.build_connector_meta(output())
+    load_meta = sched.build_connector_meta(scheduler_output())
     (job,) = load_meta.loads
     assert not job.is_async and [op.gpu_block for op in job.ops] == [20, 21]
     assert [op.tier for op in job.ops] == ["cpu", "cpu"]
@@ -214,7 +191,7 @@ def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     hit = request("r2", 2)
     assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, True)
     sched.update_state_after_alloc(hit, blocks_of([30, 31, 32]), 2 * BLOCK)
-    (job,) = sched.build_connector_meta(output()).loads
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
     assert job.is_async and [op.tier for op in job.ops] == ["disk", "disk"]
     report(sched, (FILL_FAILED, (hashes[0], job.ops[0].slot)), filled(job.ops[1]))
     assert hashes[0] not in sched.slots and hashes[1] in sched.policy.ready
@@ -229,7 +206,7 @@ def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():
     held = [sched.slots.allocate(f"busy{i}")[0] for i in range(3)]  # 3 slots mid-transfer
     assert sched.get_num_new_matched_tokens(req, 0) == (1 * BLOCK, True)
     sched.update_state_after_alloc(req, blocks_of(range(10, 17)), 1 * BLOCK)
-    (job,) = sched.build_connector_meta(output()).loads
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
     assert [(op.tier, op.slot >= 0) for op in job.ops] == [("disk", True)]  # nothing planned to fail
     # Every slot is pinned now (3 busy, 1 staging r1's block): no room at all.
     assert sched.get_num_new_matched_tokens(request("r2", 6), 0) == (0, False)
@@ -256,8 +233,8 @@ def test_preempted_request_resumes_with_new_block_ids():
     req = request("r1", 4)
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, blocks_of([1, 2, 3, 4, 5]), 0)
-    new = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
-    first = sched.build_connector_meta(output([new], scheduled={"r1": 2 * BLOCK}))  # chunked prefill
+    new = new_request(req, [1, 2, 3, 4, 5])  # a chunked prefill: two blocks this step
+    first = sched.build_connector_meta(scheduler_output([new], scheduled={"r1": 2 * BLOCK}))
     assert [op.gpu_block for op in first.stores] == [1, 2]
     # Preempted, then resumed with other blocks: the rest is stored from the new ones.
     cached = SimpleNamespace(
@@ -266,7 +243,7 @@ def test_preempted_request_resumes_with_new_block_ids():
         new_block_ids=[([7, 8, 9, 10, 11],)],
         num_computed_tokens=[2 * BLOCK],
     )
-    second = sched.build_connector_meta(output(cached=cached, scheduled={"r1": 2 * BLOCK + 1}))
+    second = sched.build_connector_meta(scheduler_output(cached=cached, scheduled={"r1": 2 * BLOCK + 1}))
     assert [op.gpu_block for op in second.stores] == [9, 10]
 
 

@@ -28,6 +28,8 @@ from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.keys import KVSpec
 
+from support.scheduler_steps import blocks_of, new_request, report, scheduler_output
+
 BLOCK = 32
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 LAYER_SHAPE = (2, BLOCK, 16)  # per block: kv heads, block size, 2 * head size (CPU backend)
@@ -56,23 +58,11 @@ def request(req_id: str, hashes: list[bytes]):
     )
 
 
-def report(sched, rank: int, *events):
-    meta = TierCacheWorkerMetadata([(rank, kind, value) for kind, value in events], Counter())
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
-
-
 def store(sched, req, gpu_ids):
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(gpu_ids),)), 0)
-    new = SimpleNamespace(req_id=req.request_id, block_ids=(list(gpu_ids),), num_computed_tokens=0)
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    output = SimpleNamespace(
-        scheduled_new_reqs=[new],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={req.request_id: req.num_tokens},
-        total_num_scheduled_tokens=req.num_tokens,
-    )
-    return sched.build_connector_meta(output)
+    sched.update_state_after_alloc(req, blocks_of(gpu_ids), 0)
+    new = new_request(req, gpu_ids)
+    return sched.build_connector_meta(scheduler_output([new], scheduled={req.request_id: req.num_tokens}))
 
 
 # -- the account, report by report ---------------------------------------------------
@@ -81,12 +71,12 @@ def test_two_releases_of_one_slot_in_one_step_unpin_it_twice():
     slot: two pins, two releases from the one rank, in one report."""
     sched = make_scheduler(tp=1, slots=4)
     (op,) = store(sched, request("r1", [b"a" * 32]), [3, 4]).stores
-    report(sched, 0, (FILLED, (op.block_hash, op.slot)))
+    report(sched, (FILLED, (op.block_hash, op.slot)), rank=0)
     hit = request("r2", [b"a" * 32])
     assert sched.get_num_new_matched_tokens(hit, 0) == (BLOCK, False)
-    sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([7, 8],)), BLOCK)
+    sched.update_state_after_alloc(hit, blocks_of([7, 8]), BLOCK)
     assert sched.slots._pins[op.slot] == 2  # the write-down's and the hit's
-    report(sched, 0, (RELEASED, op.slot), (RELEASED, op.slot))
+    report(sched, (RELEASED, op.slot), (RELEASED, op.slot), rank=0)
     assert sched.slots.pinned() == 0
     assert sched.ledger.open_entries() == 0
 
@@ -94,9 +84,9 @@ def test_two_releases_of_one_slot_in_one_step_unpin_it_twice():
 def test_one_ranks_releases_never_stand_in_for_another_ranks():
     sched = make_scheduler(tp=2, slots=4)
     (op,) = store(sched, request("r1", [b"a" * 32]), [3, 4]).stores
-    report(sched, 0, (RELEASED, op.slot), (RELEASED, op.slot))  # rank 0 twice, rank 1 not yet
+    report(sched, (RELEASED, op.slot), (RELEASED, op.slot), rank=0)  # rank 0 twice, rank 1 not yet
     assert sched.slots._pins[op.slot] == 1
-    report(sched, 1, (RELEASED, op.slot))
+    report(sched, (RELEASED, op.slot), rank=1)
     assert sched.slots.pinned() == 0
     # Rank 0's extra release waits for a pin of rank 1's to match; it unpins nothing alone.
     assert sched.ledger.open_entries() == 1
@@ -109,15 +99,15 @@ def test_a_fill_left_over_from_a_failed_fill_never_marks_a_later_fill_ready():
     sched = make_scheduler(tp=2, slots=4)
     block = b"a" * 32
     (first,) = store(sched, request("r1", [block]), [3, 4]).stores
-    report(sched, 0, (FILLED, (block, first.slot)))
-    report(sched, 1, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot))
-    report(sched, 0, (RELEASED, first.slot))
+    report(sched, (FILLED, (block, first.slot)), rank=0)
+    report(sched, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot), rank=1)
+    report(sched, (RELEASED, first.slot), rank=0)
     assert block not in sched.slots and block not in sched.policy.ready
     (second,) = store(sched, request("r2", [block]), [5, 6]).stores
-    report(sched, 0, (FILLED, (block, second.slot)))
+    report(sched, (FILLED, (block, second.slot)), rank=0)
     assert block not in sched.policy.ready  # rank 1 has not copied it yet
     assert sched.get_num_new_matched_tokens(request("r3", [block]), 0) == (0, False)
-    report(sched, 1, (FILLED, (block, second.slot)))
+    report(sched, (FILLED, (block, second.slot)), rank=1)
     assert block in sched.policy.ready
 
 
@@ -125,27 +115,27 @@ def test_a_late_fill_of_a_block_that_moved_to_another_slot_is_ignored():
     sched = make_scheduler(tp=2, slots=4)
     block = b"a" * 32
     (first,) = store(sched, request("r1", [block]), [3, 4]).stores
-    report(sched, 1, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot))
+    report(sched, (FILL_FAILED, (block, first.slot)), (RELEASED, first.slot), rank=1)
     (second,) = store(sched, request("r2", [block]), [5, 6]).stores
     assert second.slot != first.slot  # the first slot is still pinned by rank 0
-    report(sched, 0, (FILLED, (block, first.slot)), (RELEASED, first.slot))  # rank 0, late
-    report(sched, 1, (FILLED, (block, second.slot)))
+    report(sched, (FILLED, (block, first.slot)), (RELEASED, first.slot), rank=0)  # rank 0, late
+    report(sched, (FILLED, (block, second.slot)), rank=1)
     assert block not in sched.policy.ready
-    report(sched, 0, (FILLED, (block, second.slot)))
+    report(sched, (FILLED, (block, second.slot)), rank=0)
     assert block in sched.policy.ready and sched.slots._pins == {second.slot: 1}  # the store's own pin
 
 
 def test_disk_presence_is_counted_per_rank():
     sched = make_scheduler(tp=2, slots=4, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     block = b"d" * 32
-    report(sched, 0, (ON_DISK, block), (ON_DISK, block))  # rank 0 wrote it twice
+    report(sched, (ON_DISK, block), (ON_DISK, block), rank=0)  # rank 0 wrote it twice
     assert block not in sched.policy.on_disk
-    report(sched, 1, (ON_DISK, block))
+    report(sched, (ON_DISK, block), rank=1)
     assert block in sched.policy.on_disk
-    report(sched, 0, (OFF_DISK, block))
-    report(sched, 0, (ON_DISK, block))  # rank 0 again: rank 1 still holds its copy
+    report(sched, (OFF_DISK, block), rank=0)
+    report(sched, (ON_DISK, block), rank=0)  # rank 0 again: rank 1 still holds its copy
     assert block in sched.policy.on_disk
-    report(sched, 1, (OFF_DISK, block))
+    report(sched, (OFF_DISK, block), rank=1)
     assert block not in sched.policy.on_disk
 
 
@@ -231,7 +221,7 @@ class MiniEngine:
         for req in list(self.waiting):
             tokens, is_async = sched.get_num_new_matched_tokens(req, 0)
             blocks = [self.free.pop() for _ in req.block_hashes] + [self.free.pop()]
-            sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda b=blocks: (b,)), tokens)
+            sched.update_state_after_alloc(req, blocks_of(blocks), tokens)
             self.waiting.remove(req)
             if is_async:
                 self.remote[req.request_id] = (req, blocks, tokens)
@@ -240,16 +230,9 @@ class MiniEngine:
         for req_id, (req, blocks, tokens) in list(self.remote.items()):
             if req_id in self.recved:
                 del self.remote[req_id]
-                sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda b=blocks: (b,)), 0)
+                sched.update_state_after_alloc(req, blocks_of(blocks), 0)
                 self._schedule(req, blocks, tokens, new_reqs, scheduled, loads, computes)
-        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-        output = SimpleNamespace(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()),
-        )
-        meta = sched.build_connector_meta(output)
+        meta = sched.build_connector_meta(scheduler_output(new_reqs, scheduled=scheduled))
         # Async scheduling: the step before's output arrives only now, after this
         # step was scheduled.
         while len(self.outputs) > self.lag:
@@ -362,12 +345,12 @@ def test_hits_are_split_by_the_tier_that_holds_them():
     sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     blocks = [bytes([i]) * 32 for i in range(3)]
     ops = store(sched, request("r1", blocks[:2]), [1, 2, 3]).stores
-    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])
-    report(sched, 0, *[(RELEASED, op.slot) for op in ops])
+    report(sched, *[(FILLED, (op.block_hash, op.slot)) for op in ops], rank=0)
+    report(sched, *[(RELEASED, op.slot) for op in ops], rank=0)
     sched.policy.on_disk[blocks[2]] = None
     hit = request("r2", blocks)
     assert sched.get_num_new_matched_tokens(hit, 0) == (3 * BLOCK, True)
-    sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 3 * BLOCK)
+    sched.update_state_after_alloc(hit, blocks_of([5, 6, 7, 8]), 3 * BLOCK)
     connector = SimpleNamespace(scheduler=sched)
     sources = TierCacheConnector.get_external_cache_hit_sources(connector, hit, 3 * BLOCK)
     assert sources == {CacheHitSource.HOST: 2 * BLOCK, CacheHitSource.DISK: BLOCK}
@@ -379,20 +362,20 @@ def test_after_a_cache_reset_no_block_computed_before_is_served():
     sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     blocks = [bytes([i]) * 32 for i in range(2)]
     ops = store(sched, request("r1", blocks), [1, 2, 3]).stores
-    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in ops])  # write-downs still pin
+    report(sched, *[(FILLED, (op.block_hash, op.slot)) for op in ops], rank=0)  # write-downs still pin
     sched.policy.on_disk[blocks[0]] = None
     assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (2 * BLOCK, False)
 
     assert sched.reset_cache() is True
     assert sched.get_num_new_matched_tokens(request("r3", blocks), 0) == (0, False)
     # The old blocks' write-downs end after the reset: their late reports serve nothing.
-    report(sched, 0, (ON_DISK, blocks[0]), *[(RELEASED, op.slot) for op in ops])
+    report(sched, (ON_DISK, blocks[0]), *[(RELEASED, op.slot) for op in ops], rank=0)
     assert sched.get_num_new_matched_tokens(request("r4", blocks), 0) == (0, False)
     assert sched.slots.pinned() == 0
     # Computed again under the new weights, stored under new names, served again.
     again = store(sched, request("r5", blocks), [4, 5, 6]).stores
     assert {op.block_hash for op in again}.isdisjoint(blocks)
-    report(sched, 0, *[(FILLED, (op.block_hash, op.slot)) for op in again])
+    report(sched, *[(FILLED, (op.block_hash, op.slot)) for op in again], rank=0)
     assert sched.get_num_new_matched_tokens(request("r6", blocks), 0) == (2 * BLOCK, False)
 
 
@@ -411,9 +394,9 @@ def test_a_block_whose_load_failed_is_not_offered_again_to_the_rescheduled_reque
         sched.policy.stored_on_disk(block)
     req = request("r1", blocks)
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
-    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 3 * BLOCK)
+    sched.update_state_after_alloc(req, blocks_of([1, 2, 3, 4]), 3 * BLOCK)
     (job,) = store(sched, request("other", [b"z" * 32]), [9, 10]).loads
-    report(sched, 0, (FILLED, (blocks[0], job.ops[0].slot)), (FILL_FAILED, (blocks[1], job.ops[1].slot)))
+    report(sched, (FILLED, (blocks[0], job.ops[0].slot)), (FILL_FAILED, (blocks[1], job.ops[1].slot)), rank=0)
     # Rescheduled: the blocks up to the failed one are still offered, not past it.
     assert sched.get_num_new_matched_tokens(req, 0) == (BLOCK, False)
     now[0] = 31.0  # the tier may have recovered: the block is offered again

@@ -4,7 +4,6 @@ tests/test_e2e_kv_events.py checks the same against a running vLLM."""
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import msgspec
@@ -18,12 +17,13 @@ from tiercache.connector.metadata import (
     OFF_DISK,
     ON_DISK,
     RELEASED,
-    TierCacheWorkerMetadata,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.index import REGISTRY, Deployment
 from tiercache.keys import KVSpec
 from tiercache.presence import instance_prefixes, presence_key
+
+from support.scheduler_steps import blocks_of, new_request, report, scheduler_output
 
 BLOCK = 32
 PAGE = 4096
@@ -56,29 +56,14 @@ def request(req_id: str, n_blocks: int, seed: int = 0):
     )
 
 
-def output(new=(), scheduled=None):
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    scheduled = scheduled or {}
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-    )
-
-
-def report(sched, *events, rank=0):
-    meta = TierCacheWorkerMetadata([(rank, kind, value) for kind, value in events], Counter())
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=set()))
-
-
 def store(sched, req, first_gpu_block: int = 0):
     """Plan the stores of `req`'s prompt; the store ops."""
     gpu = list(range(first_gpu_block, first_gpu_block + len(req.block_hashes) + 1))
     sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (gpu,)), 0)
-    new = SimpleNamespace(req_id=req.request_id, block_ids=(gpu,), num_computed_tokens=0)
-    return sched.build_connector_meta(output([new], {req.request_id: req.num_tokens})).stores
+    sched.update_state_after_alloc(req, blocks_of(gpu), 0)
+    new = new_request(req, gpu)
+    meta = sched.build_connector_meta(scheduler_output([new], scheduled={req.request_id: req.num_tokens}))
+    return meta.stores
 
 
 def fills(ops):
