@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tiercache.block_hashing import BlockHashing
-from tiercache.config import TierCacheConfig
+from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
 from tiercache.metrics import LOAD_DECISIONS, LOOKUP_BLOCKS, LOOKUP_HITS
@@ -106,11 +106,16 @@ class TierCacheScheduler:
         # MLA: one shared object, written by rank 0 alone.
         self.disk_reporters = 1 if len(specs) == 1 and worker_count > 1 else worker_count
         self.redis: GuardedRedis | None = None
-        self.index: RedisIndex | None = None  # the S3 tier's index
+        # The deployment registry always (the service's token lookups use it); the
+        # index of S3 blocks only where there is an S3 tier to look them up in.
+        self.index: RedisIndex | None = None
         if config.redis_url:
             self.redis = GuardedRedis(config.redis_url, config.redis)
-            if config.s3 is not None:
-                self.index = RedisIndex(self.redis)
+            self.index = RedisIndex(self.redis)
+        self.looks_up_s3 = self.index is not None and config.s3 is not None
+        # Once per vLLM instance, not once per TP rank's tier engine.
+        for warning in unbounded_warnings(config):
+            log.warning("tiercache: %s", warning)
         self.hashing = hashing
         # Watching before the disk scan: what the disk holds from earlier runs is
         # published too.
@@ -163,7 +168,7 @@ class TierCacheScheduler:
             hash_seed=self.hashing.seed if self.hashing else None,
         )
         try:
-            RedisIndex(self.redis).register(deployment)
+            self.index.register(deployment)
         except RedisUnavailable:
             log.warning("tiercache: redis unreachable at startup; S3 lookups are misses until it answers")
 
@@ -249,7 +254,7 @@ class TierCacheScheduler:
                     break
                 tiers.append(tier)
             rest = first + len(tiers)
-            if rest < limit and self.index is not None:
+            if rest < limit and self.looks_up_s3:
                 try:
                     wanted = [bytes(h) for h in hashes[rest:limit]]
                     found = self.index.longest_prefix(self.model_digest, self.rank_digests, wanted)

@@ -17,6 +17,7 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.keys import KVSpec
+from tiercache.policy import promotes_to_disk
 from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
@@ -349,11 +350,15 @@ class TierCacheWorker:
         for op in ops:
             if op.slot < 0:
                 continue
-            if op.tier == S3 and staged_ok.get(id(op)) and self.writes_lower_tiers:
-                # Promoted from S3: keep a copy on this node's disk too.
+            if staged_ok.get(id(op)) and self._promotes_to_disk(op.tier):
                 self.engine.write_down(op.block_hash, op.slot, self._after_write, tiers=(DISK,))
             else:
                 self._emit(RELEASED, op.slot)
+
+    def _promotes_to_disk(self, tier: str) -> bool:
+        return self.writes_lower_tiers and promotes_to_disk(
+            tier, self.engine.disk is not None, write_back=self.config.movers.policy == "write_back"
+        )
 
     def _fail_all(self, meta: TierCacheMetadata) -> None:
         for job in meta.loads:

@@ -292,12 +292,22 @@ def test_cli_config_check(tmp_path):
 def test_an_s3_tier_without_capacity_is_warned_about_at_start(
     tmp_path, redis_url, s3_endpoint, bucket, caplog
 ):
-    """Review fix: with no s3.capacity nothing bounds S3 or the index; say so at start."""
+    """Review fix: with no s3.capacity nothing bounds S3 or the index; say so at start,
+    once per vLLM instance (its scheduler half, not each TP rank's tier engine) and
+    once by the service."""
     import logging
+    from types import SimpleNamespace
 
+    from tiercache.connector.scheduler import TierCacheScheduler
     from tiercache.engine import ObjectShape, TierEngine
+    from tiercache.keys import KVSpec
     from tiercache.service import create_app
     from tiercache.tiers.cpu import CpuBuffer
+
+    layers = ["model.layers.0.self_attn.attn"]
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=4096), layer_names=layers)
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[group], num_blocks=8)
+    specs = [KVSpec("m", "", "float32", "auto", 16, "cpu", 1, 2, 8, 2, rank, "t", 4096) for rank in range(2)]
 
     s3 = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"}
     unbounded = build_config({"redis_url": redis_url, "s3": s3}, environ={})
@@ -307,13 +317,15 @@ def test_an_s3_tier_without_capacity_is_warned_about_at_start(
     def warnings_at_start(config) -> list[str]:
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            TierEngine(config, shape, CpuBuffer(1, 4096, pin_memory=False)).close()
+            TierCacheScheduler(config, specs, kv_cache_config, worker_count=2).close()
+            for _ in specs:  # each TP rank's worker runs a tier engine
+                TierEngine(config, shape, CpuBuffer(1, 4096, pin_memory=False)).close()
             service = create_app(config).state.tiercache
             service.start()
             service.close()
         return [r.getMessage() for r in caplog.records if "s3.capacity" in r.getMessage()]
 
-    assert len(warnings_at_start(unbounded)) == 2  # the worker's engine and the service
+    assert len(warnings_at_start(unbounded)) == 2  # the scheduler half and the service
     assert warnings_at_start(bounded) == []
     path = tmp_path / "unbounded.yaml"
     path.write_text(json.dumps({"redis_url": redis_url, "s3": s3}))

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercache.config import TierCacheConfig, unbounded_warnings
+from tiercache.config import TierCacheConfig
 from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
@@ -89,9 +89,6 @@ class TierEngine:
         self.s3 = s3
         if s3 is None and config.s3 is not None:
             self.s3 = S3Tier(config.s3, integrity_key=self._integrity_key)
-        if self.s3 is not None:
-            for warning in unbounded_warnings(config):
-                log.warning("tiercache: %s", warning)
         self.s3_writer: S3Writer | None = None
         self.uploads: UploadProcess | None = None
         if self.s3 is not None and self.leases is not None:

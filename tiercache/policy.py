@@ -22,7 +22,15 @@ from typing import Protocol
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator
 
-__all__ = ["BlockPolicy", "CpuTierFull", "TierWatcher"]
+__all__ = ["BlockPolicy", "CpuTierFull", "TierWatcher", "promotes_to_disk"]
+
+
+def promotes_to_disk(tier: str, has_disk: bool, *, write_back: bool) -> bool:
+    """A hit from S3 is kept on the node's disk too (it is staged in the CPU tier
+    either way). Under write-back the disk gets it when the CPU tier evicts it. The
+    connector's worker, which makes the copy, has no BlockPolicy of its own: this rule
+    is shared by name."""
+    return tier == S3 and has_disk and not write_back
 
 
 class TierWatcher(Protocol):
@@ -134,9 +142,7 @@ class BlockPolicy:
                 self.watcher.removed(DISK, block)
 
     def promotes_to_disk(self, tier: str, has_disk: bool) -> bool:
-        """A hit from S3 is kept on the node's disk too (it is staged in the CPU tier
-        either way). Under write-back the disk gets it when the CPU tier evicts it."""
-        return tier == S3 and has_disk and not self.write_back
+        return promotes_to_disk(tier, has_disk, write_back=self.write_back)
 
     def clear(self) -> None:
         """Forget everything: a slot still pinned by a transfer is freed on its release."""
