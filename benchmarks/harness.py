@@ -235,7 +235,7 @@ class EngineRunner:
     def run(self, name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
         from tiercache.testing.vllm_runner import run_engine
 
-        measured = sum(1 for i in items if i["name"] != "warm")
+        measured = sum(1 for i in items if "ids" in i and i["name"] != "warm")
         print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {measured} measured requests", flush=True)
         began = time.perf_counter()
         load_before = loadavg()

@@ -89,6 +89,13 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     default_params = sampling(spec.get("max_tokens", 1))
     results = []
     for prompt in spec["prompts"]:
+        if prompt.get("reset_prefix_cache"):
+            # vLLM's own prefix cache only (not the connector's tiers): the next
+            # request for a cached prompt is then a connector hit, measured in the same
+            # engine as the prefix-cache hit before it.
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache")
+            continue
         if "ids" not in prompt:
             _control(prompt)  # a fault-injection test's hook between prompts
             continue

@@ -1,0 +1,301 @@
+"""Hit against hit in one engine: tiercache's CPU-tier hit and vLLM's own prefix-cache
+hit of the same prompt, alternated in the same process, so that the ratio between them
+is not the difference between two engines' start-ups or the machine's load at two
+different minutes (single requests here spread by 10-15% between engines).
+
+    python benchmarks/hit_pairs.py --lengths 1000,2000,4000 --repeats 3 --rounds 3 --name hit-pairs-1
+
+Engines, each a fresh vLLM process with prefix caching on and the same core
+reservation:
+  prefix_cache   no connector: cold, then prefix-cache hits (the floor of all).
+  tiercache      CPU + disk + S3 (moto) with write-through and the Redis index: cold;
+                 vLLM's prefix cache reset; a CPU-tier hit while the prompt's own
+                 write-through to disk and S3 still runs ("in flight"); a pause until
+                 it is quiet; then rounds of [prefix-cache hit; reset; CPU-tier hit].
+  example        vLLM's ExampleConnector (safetensors files, in the page cache):
+                 cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
+  tiercache_disk a fresh engine on the disk the tiercache engine left: disk hit;
+                 reset; CPU-tier hit; prefix-cache hit.
+
+Every hit is checked against the cold run of its prompt in the same engine (first
+token equal, top logprobs within 0.3) and must have the whole prompt but the last
+block cached. Ratios are medians over every pair of one length (a pair is two requests
+of one prompt, one after the other). TTFT is vLLM's first_token_latency."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import (
+    BLOCK,
+    LOGPROB_TOLERANCE,
+    NAMESPACE,
+    EngineRunner,
+    engine_env,
+    logprob_gap,
+    machine,
+    median,
+    prompt,
+    request,
+    save,
+    service_cpus,
+    ttft,
+    write_model,
+)
+
+RESET = {"reset_prefix_cache": True}
+
+
+def prompts(lengths: list[int], repeats: int) -> dict[tuple[int, int], list[int]]:
+    # The seeds of e2e.py's TTFT prompts, so the two benchmarks ask the same prompts.
+    return {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(repeats)}
+
+
+def warm_up() -> list[dict[str, Any]]:
+    """Unrelated prompts first (the CPU backend's first requests pay one-off set-up),
+    a prefix-cache hit and a connector hit among them."""
+    a, b = prompt(1, 64), prompt(2, 512)
+    return [request("warm", a), request("warm", b), request("warm", b), RESET, request("warm", b)]
+
+
+def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
+    from tiercache.testing.vllm_runner import connector_config
+
+    return connector_config({"namespace": NAMESPACE, **extra})
+
+
+def name(label: str, key: tuple[int, int], round_: int = 0) -> str:
+    return f"{label}/{key[0]}/{key[1]}/{round_}"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tiercache.testing.servers import local_stack
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    asks = prompts(lengths, args.repeats)
+    work = Path(args.workdir).resolve()
+    spec = {
+        "model": str(write_model(work / "model")),
+        "max_model_len": max(lengths) + 64,
+        "gpu_memory_utilization": args.kv_fraction,
+        "log_stats": True,
+        "enable_prefix_caching": True,
+    }
+    runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+    quiet = {"sleep": args.quiet_seconds}
+
+    items: list[dict[str, Any]] = warm_up()
+    for key, ids in asks.items():
+        items.append(request(name("cold", key), ids))
+        items += [request(name("pc", key, i), ids) for i in range(args.rounds)]
+    runner.run("prefix_cache", items)
+
+    example_dir = work / "example"
+    shutil.rmtree(example_dir, ignore_errors=True)
+    items = warm_up()
+    for key, ids in asks.items():
+        items.append(request(name("cold", key), ids))
+        for i in range(args.rounds):
+            items += [request(name("pc", key, i), ids), RESET, request(name("example", key, i), ids)]
+    runner.run(
+        "example",
+        items,
+        kv_transfer_config={
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
+        },
+    )
+
+    disk = work / "disk"
+    shutil.rmtree(disk, ignore_errors=True)
+    cpu = {"capacity": args.cpu_capacity}
+    with local_stack("tiercache-pairs", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
+        everything = {
+            "cpu": cpu,
+            "disk": {"path": str(disk)},
+            "redis_url": redis_server.url,
+            "s3": {"bucket": "tiercache-pairs", "endpoint_url": s3.url, "prefix": "pairs/"},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},
+        }
+        items = warm_up()
+        for key, ids in asks.items():
+            items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
+            for i in range(args.rounds):
+                items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
+        runner.run("tiercache", items, kv_transfer_config=tiercache_kv(everything))
+
+    items = warm_up()
+    for key, ids in asks.items():
+        items += [request(name("disk", key), ids), RESET, request(name("cpu", key), ids)]
+        items.append(request(name("pc", key), ids))
+    disk_only = {"cpu": cpu, "disk": {"path": str(disk)}, "movers": {"cost_model": "off"}}
+    runner.run("tiercache_disk", items, kv_transfer_config=tiercache_kv(disk_only))
+    runner.stop()
+    return {"engines": runner.engines, "summary": summarize(runner.engines, asks, args)}
+
+
+def raw_copy_ms(nbytes: int, threads: int, repeats: int = 7) -> float:
+    """The floor of a copying cache's hit: `nbytes` copied host to host by torch, in
+    one or two threads (the copy of a CPU-tier hit may use the spare core too)."""
+    import threading
+
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    parts = list(zip(src.chunk(threads), dst.chunk(threads), strict=True))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        helpers = [threading.Thread(target=d.copy_, args=(s,)) for s, d in parts[1:]]
+        for helper in helpers:
+            helper.start()
+        parts[0][1].copy_(parts[0][0])
+        for helper in helpers:
+            helper.join()
+        times.append(time.perf_counter() - began)
+    return 1000 * median(times)
+
+
+def by_name(engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in engine["results"]}
+
+
+def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], args) -> dict[str, Any]:
+    """Per length: each label's median TTFT, and the median ratio of paired requests.
+    Raises if any hit missed or answered differently from its prompt's cold run."""
+    colds = {e: by_name(engines[e]) for e in engines}
+    problems: list[str] = []
+
+    def sample(engine: str, label: str, key, round_: int = 0) -> dict[str, Any]:
+        r = colds[engine][name(label, key, round_)]
+        cold = colds[engine if engine != "tiercache_disk" else "tiercache"][name("cold", key)]
+        want_cached = (key[0] - 1) // BLOCK * BLOCK
+        if label != "cold" and r["num_cached_tokens"] < want_cached:
+            problems.append(f"{engine} {r['name']}: {r['num_cached_tokens']} cached, want {want_cached}")
+        if r["token_ids"][:1] != cold["token_ids"][:1]:
+            problems.append(f"{engine} {r['name']}: first token differs from the cold run")
+        if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
+            problems.append(f"{engine} {r['name']}: logprobs differ from the cold run")
+        return r
+
+    def pairs(keys: list[tuple[int, int]], with_rounds: bool) -> list[tuple[tuple[int, int], int]]:
+        return [(k, i) for k in keys for i in (range(args.rounds) if with_rounds else [0])]
+
+    out: dict[str, Any] = {}
+    for n in sorted({k[0] for k in asks}):
+        keys = [k for k in asks if k[0] == n]
+
+        def times(engine: str, label: str, with_rounds: bool = True, keys=keys) -> list[float]:
+            return [ttft(sample(engine, label, k, i)) for k, i in pairs(keys, with_rounds)]
+
+        def ratios(engine: str, top: str, bottom: str, with_rounds: bool = True, keys=keys) -> list[float]:
+            return [
+                ttft(sample(engine, top, k, i)) / ttft(sample(engine, bottom, k, i))
+                for k, i in pairs(keys, with_rounds)
+            ]
+
+        pc_floor = median(times("prefix_cache", "pc"))
+        row = {
+            "cold_ms": 1000 * median(times("prefix_cache", "cold", False)),
+            "prefix_cache_ms": 1000 * pc_floor,
+            "tiercache_pc_ms": 1000 * median(times("tiercache", "pc")),
+            "cpu_ms": 1000 * median(times("tiercache", "cpu")),
+            "inflight_ms": 1000 * median(times("tiercache", "inflight", False)),
+            "example_ms": 1000 * median(times("example", "example")),
+            "example_pc_ms": 1000 * median(times("example", "pc")),
+            "disk_ms": 1000 * median(times("tiercache_disk", "disk", False)),
+            "disk_cpu_ms": 1000 * median(times("tiercache_disk", "cpu", False)),
+            # The paired ratios: each hit against the prefix-cache hit just before it.
+            "cpu_over_pc_paired": median(ratios("tiercache", "cpu", "pc")),
+            "example_over_pc_paired": median(ratios("example", "example", "pc")),
+            "disk_over_cpu_paired": median(ratios("tiercache_disk", "disk", "cpu", False)),
+        }
+        # What the hit moves: every whole block of the prompt but the one vLLM recomputes.
+        hit_bytes = (n - 1) // BLOCK * BLOCK * args.kv_bytes_per_token
+        row["hit_mib"] = hit_bytes / (1 << 20)
+        row["raw_copy_ms_1_thread"] = raw_copy_ms(hit_bytes, 1)
+        row["raw_copy_ms_2_threads"] = raw_copy_ms(hit_bytes, 2)
+        row["cpu_extra_ms_paired"] = 1000 * median(
+            [
+                ttft(sample("tiercache", "cpu", k, i)) - ttft(sample("tiercache", "pc", k, i))
+                for k, i in pairs(keys, True)
+            ]
+        )
+        row["cpu_over_pc_floor"] = row["cpu_ms"] / row["prefix_cache_ms"]
+        row["inflight_over_pc_floor"] = row["inflight_ms"] / row["prefix_cache_ms"]
+        row["cpu_over_example"] = row["cpu_ms"] / row["example_ms"]
+        row["cpu_over_example_paired"] = row["cpu_over_pc_paired"] / row["example_over_pc_paired"]
+        out[str(n)] = row
+    if problems:
+        raise SystemExit("hits that were not right:\n  " + "\n  ".join(problems))
+    return out
+
+
+def show(summary: dict[str, Any]) -> None:
+    rows = [
+        ("cold", "cold_ms"),
+        ("prefix-cache hit, no connector (floor)", "prefix_cache_ms"),
+        ("prefix-cache hit, tiercache engine", "tiercache_pc_ms"),
+        ("tiercache CPU hit, quiet", "cpu_ms"),
+        ("tiercache CPU hit, write-through in flight", "inflight_ms"),
+        ("ExampleConnector hit", "example_ms"),
+        ("tiercache disk hit, fresh engine", "disk_ms"),
+        ("tiercache CPU hit after it", "disk_cpu_ms"),
+    ]
+    lengths = list(summary)
+    print("| run (ms) | " + " | ".join(lengths) + " |")
+    print("|---|" + "---:|" * len(lengths))
+    for label, key in rows:
+        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.0f}" for n in lengths) + " |")
+    ratios = [
+        ("CPU hit / prefix-cache hit, paired in one engine", "cpu_over_pc_paired"),
+        ("CPU hit / prefix-cache floor", "cpu_over_pc_floor"),
+        ("in-flight CPU hit / prefix-cache floor", "inflight_over_pc_floor"),
+        ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired"),
+        ("CPU hit / ExampleConnector hit", "cpu_over_example"),
+        ("disk hit / CPU hit, paired", "disk_over_cpu_paired"),
+    ]
+    for label, key in ratios:
+        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.3f}x" for n in lengths) + " |")
+    floors = [
+        ("MiB a hit copies", "hit_mib"),
+        ("CPU hit's extra time over the prefix-cache hit, paired (ms)", "cpu_extra_ms_paired"),
+        ("raw copy of those bytes, 1 thread (ms)", "raw_copy_ms_1_thread"),
+        ("raw copy of those bytes, 2 threads (ms)", "raw_copy_ms_2_threads"),
+    ]
+    for label, key in floors:
+        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.1f}" for n in lengths) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", default="1000,2000,4000")
+    parser.add_argument("--repeats", type=int, default=3, help="distinct prompts per length")
+    parser.add_argument("--rounds", type=int, default=3, help="hit pairs per prompt")
+    parser.add_argument("--quiet-seconds", type=float, default=8.0, help="pause after the in-flight hit")
+    parser.add_argument("--cpu-capacity", default="4GiB")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
+    parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
+    parser.add_argument("--workdir", default="/tmp/tiercache-bench-pairs")
+    parser.add_argument(
+        "--kv-bytes-per-token", type=int, default=64 << 10, help="the benchmark model's KV (harness.MODEL)"
+    )
+    parser.add_argument("--name", default="hit-pairs")
+    args = parser.parse_args()
+    data = run(args)
+    data["machine"] = machine()
+    data["args"] = vars(args)
+    save(args.name, data)
+    show(data["summary"])
+
+
+if __name__ == "__main__":
+    main()
