@@ -237,40 +237,35 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
     return out
 
 
+# The table's rows: label, summary key, format.
+TABLE = [
+    ("cold", "cold_ms", "{:.0f}"),
+    ("prefix-cache hit, no connector (floor)", "prefix_cache_ms", "{:.0f}"),
+    ("prefix-cache hit, tiercache engine", "tiercache_pc_ms", "{:.0f}"),
+    ("tiercache CPU hit, quiet", "cpu_ms", "{:.0f}"),
+    ("tiercache CPU hit, write-through in flight", "inflight_ms", "{:.0f}"),
+    ("ExampleConnector hit", "example_ms", "{:.0f}"),
+    ("tiercache disk hit, fresh engine", "disk_ms", "{:.0f}"),
+    ("tiercache CPU hit after it", "disk_cpu_ms", "{:.0f}"),
+    ("CPU hit / prefix-cache hit, paired in one engine", "cpu_over_pc_paired", "{:.3f}x"),
+    ("CPU hit / prefix-cache floor", "cpu_over_pc_floor", "{:.3f}x"),
+    ("in-flight CPU hit / prefix-cache floor", "inflight_over_pc_floor", "{:.3f}x"),
+    ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired", "{:.3f}x"),
+    ("CPU hit / ExampleConnector hit", "cpu_over_example", "{:.3f}x"),
+    ("disk hit / CPU hit, paired", "disk_over_cpu_paired", "{:.3f}x"),
+    ("MiB a hit copies", "hit_mib", "{:.1f}"),
+    ("CPU hit's extra time over the prefix-cache hit, paired (ms)", "cpu_extra_ms_paired", "{:.1f}"),
+    ("raw copy of those bytes, 1 thread (ms)", "raw_copy_ms_1_thread", "{:.1f}"),
+    ("raw copy of those bytes, 2 threads (ms)", "raw_copy_ms_2_threads", "{:.1f}"),
+]
+
+
 def show(summary: dict[str, Any]) -> None:
-    rows = [
-        ("cold", "cold_ms"),
-        ("prefix-cache hit, no connector (floor)", "prefix_cache_ms"),
-        ("prefix-cache hit, tiercache engine", "tiercache_pc_ms"),
-        ("tiercache CPU hit, quiet", "cpu_ms"),
-        ("tiercache CPU hit, write-through in flight", "inflight_ms"),
-        ("ExampleConnector hit", "example_ms"),
-        ("tiercache disk hit, fresh engine", "disk_ms"),
-        ("tiercache CPU hit after it", "disk_cpu_ms"),
-    ]
     lengths = list(summary)
     print("| run (ms) | " + " | ".join(lengths) + " |")
     print("|---|" + "---:|" * len(lengths))
-    for label, key in rows:
-        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.0f}" for n in lengths) + " |")
-    ratios = [
-        ("CPU hit / prefix-cache hit, paired in one engine", "cpu_over_pc_paired"),
-        ("CPU hit / prefix-cache floor", "cpu_over_pc_floor"),
-        ("in-flight CPU hit / prefix-cache floor", "inflight_over_pc_floor"),
-        ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired"),
-        ("CPU hit / ExampleConnector hit", "cpu_over_example"),
-        ("disk hit / CPU hit, paired", "disk_over_cpu_paired"),
-    ]
-    for label, key in ratios:
-        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.3f}x" for n in lengths) + " |")
-    floors = [
-        ("MiB a hit copies", "hit_mib"),
-        ("CPU hit's extra time over the prefix-cache hit, paired (ms)", "cpu_extra_ms_paired"),
-        ("raw copy of those bytes, 1 thread (ms)", "raw_copy_ms_1_thread"),
-        ("raw copy of those bytes, 2 threads (ms)", "raw_copy_ms_2_threads"),
-    ]
-    for label, key in floors:
-        print(f"| {label} | " + " | ".join(f"{summary[n][key]:.1f}" for n in lengths) + " |")
+    for label, key, form in TABLE:
+        print(f"| {label} | " + " | ".join(form.format(summary[n][key]) for n in lengths) + " |")
 
 
 def main() -> None:
