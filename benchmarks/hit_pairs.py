@@ -17,10 +17,11 @@ reservation:
   tiercache_disk a fresh engine on the disk the tiercache engine left: disk hit;
                  reset; CPU-tier hit; prefix-cache hit.
 
-Every hit is checked against the cold run of its prompt in the same engine (first
-token equal, top logprobs within 0.3) and must have the whole prompt but the last
-block cached. Ratios are medians over every pair of one length (a pair is two requests
-of one prompt, one after the other). TTFT is vLLM's first_token_latency."""
+Each engine first warms each length with a prompt of its own (the first request of a
+new length pays one-off set-up). Every hit is checked against the cold run of its
+prompt in the same engine (first token equal, top logprobs within 0.3) and must have
+the whole prompt but the last block cached. Ratios are medians over every pair of one
+length (a pair is two requests of one prompt, one after the other). TTFT is vLLM's first_token_latency."""
 
 from __future__ import annotations
 
@@ -55,11 +56,19 @@ def prompts(lengths: list[int], repeats: int) -> dict[tuple[int, int], list[int]
     return {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(repeats)}
 
 
-def warm_up() -> list[dict[str, Any]]:
-    """Unrelated prompts first (the CPU backend's first requests pay one-off set-up),
-    a prefix-cache hit and a connector hit among them."""
+def warm_up(lengths: list[int], connector: bool) -> list[dict[str, Any]]:
+    """Unrelated prompts first: the CPU backend's first requests pay one-off set-up,
+    and so does the first request of each new length (a first 4000-token hit took
+    three times the next one). Each length is warmed with a prompt of its own, computed
+    and hit from the prefix cache and, with a connector, hit from the connector."""
     a, b = prompt(1, 64), prompt(2, 512)
-    return [request("warm", a), request("warm", b), request("warm", b), RESET, request("warm", b)]
+    items = [request("warm", a), request("warm", b), request("warm", b)]
+    for n in lengths:
+        ids = prompt(7000 + n, n)
+        items += [request("warm", ids), request("warm", ids)]
+        if connector:
+            items += [RESET, request("warm", ids)]
+    return items
 
 
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
     quiet = {"sleep": args.quiet_seconds}
 
-    items: list[dict[str, Any]] = warm_up()
+    items: list[dict[str, Any]] = warm_up(lengths, connector=False)
     for key, ids in asks.items():
         items.append(request(name("cold", key), ids))
         items += [request(name("pc", key, i), ids) for i in range(args.rounds)]
@@ -96,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     example_dir = work / "example"
     shutil.rmtree(example_dir, ignore_errors=True)
-    items = warm_up()
+    items = warm_up(lengths, connector=True)
     for key, ids in asks.items():
         items.append(request(name("cold", key), ids))
         for i in range(args.rounds):
@@ -122,14 +131,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "s3": {"bucket": "tiercache-pairs", "endpoint_url": s3.url, "prefix": "pairs/"},
             "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},
         }
-        items = warm_up()
+        items = warm_up(lengths, connector=True)
         for key, ids in asks.items():
             items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
             for i in range(args.rounds):
                 items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
         runner.run("tiercache", items, kv_transfer_config=tiercache_kv(everything))
 
-    items = warm_up()
+    items = warm_up(lengths, connector=True)
     for key, ids in asks.items():
         items += [request(name("disk", key), ids), RESET, request(name("cpu", key), ids)]
         items.append(request(name("pc", key), ids))
@@ -214,6 +223,8 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
             # The paired ratios: each hit against the prefix-cache hit just before it.
             "cpu_over_pc_paired": median(ratios("tiercache", "cpu", "pc")),
             "example_over_pc_paired": median(ratios("example", "example", "pc")),
+            # The in-flight hit against the prefix-cache hit right after it (round 0).
+            "inflight_over_pc_paired": median(ratios("tiercache", "inflight", "pc", False)),
             "disk_over_cpu_paired": median(ratios("tiercache_disk", "disk", "cpu", False)),
         }
         # What the hit moves: every whole block of the prompt but the one vLLM recomputes.
@@ -250,6 +261,7 @@ TABLE = [
     ("CPU hit / prefix-cache hit, paired in one engine", "cpu_over_pc_paired", "{:.3f}x"),
     ("CPU hit / prefix-cache floor", "cpu_over_pc_floor", "{:.3f}x"),
     ("in-flight CPU hit / prefix-cache floor", "inflight_over_pc_floor", "{:.3f}x"),
+    ("in-flight CPU hit / the prefix-cache hit after it", "inflight_over_pc_paired", "{:.3f}x"),
     ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired", "{:.3f}x"),
     ("CPU hit / ExampleConnector hit", "cpu_over_example", "{:.3f}x"),
     ("disk hit / CPU hit, paired", "disk_over_cpu_paired", "{:.3f}x"),
