@@ -14,8 +14,10 @@ reservation:
                  it is quiet; then rounds of [prefix-cache hit; reset; CPU-tier hit].
   example        vLLM's ExampleConnector (safetensors files, in the page cache):
                  cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
-  tiercache_disk a fresh engine on the disk the tiercache engine left: disk hit;
-                 reset; CPU-tier hit; prefix-cache hit.
+  tiercache_disk a fresh engine on the disk the tiercache engine left, its CPU tier
+                 the size of the longest prompt: rounds over every prompt of
+                 [reset; disk hit; reset; CPU-tier hit] (the prompts between two
+                 rounds of one prompt evict it from the CPU tier).
 
 Each engine first warms each length with a prompt of its own (the first request of a
 new length pays one-off set-up). Every hit is checked against the cold run of its
@@ -49,6 +51,9 @@ from harness import (
 )
 
 RESET = {"reset_prefix_cache": True}
+# The connector's blocks loaded by tier, read after every request: which tier each hit
+# came from (a "disk" hit that came from the CPU tier would flatter the disk).
+LOADED_BLOCKS = "vllm:tiercache_loaded_blocks"
 
 
 def prompts(lengths: list[int], repeats: int) -> dict[tuple[int, int], list[int]]:
@@ -82,6 +87,7 @@ def name(label: str, key: tuple[int, int], round_: int = 0) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every engine's results, by engine name."""
     from tiercache.testing.servers import local_stack
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -136,16 +142,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
             for i in range(args.rounds):
                 items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
-        runner.run("tiercache", items, kv_transfer_config=tiercache_kv(everything))
+        runner.run(
+            "tiercache", items, kv_transfer_config=tiercache_kv(everything), counters=LOADED_BLOCKS
+        )
 
+    # A CPU tier that holds the longest prompt and little more: by the time a prompt
+    # comes round again the others have evicted it, so each round starts from disk.
+    longest_hit = (max(lengths) - 1) // BLOCK * BLOCK * args.kv_bytes_per_token
+    small_cpu = {"capacity": longest_hit + 4 * BLOCK * args.kv_bytes_per_token}
     items = warm_up(lengths, connector=True)
-    for key, ids in asks.items():
-        items += [request(name("disk", key), ids), RESET, request(name("cpu", key), ids)]
-        items.append(request(name("pc", key), ids))
-    disk_only = {"cpu": cpu, "disk": {"path": str(disk)}, "movers": {"cost_model": "off"}}
-    runner.run("tiercache_disk", items, kv_transfer_config=tiercache_kv(disk_only))
+    for i in range(args.rounds):
+        for key, ids in asks.items():
+            items += [RESET, request(name("disk", key, i), ids), RESET, request(name("cpu", key, i), ids)]
+    disk_only = {"cpu": small_cpu, "disk": {"path": str(disk)}, "movers": {"cost_model": "off"}}
+    runner.run(
+        "tiercache_disk", items, kv_transfer_config=tiercache_kv(disk_only), counters=LOADED_BLOCKS
+    )
     runner.stop()
-    return {"engines": runner.engines, "summary": summarize(runner.engines, asks, args)}
+    return runner.engines
 
 
 def raw_copy_ms(nbytes: int, threads: int, repeats: int = 7) -> float:
@@ -172,7 +186,17 @@ def raw_copy_ms(nbytes: int, threads: int, repeats: int = 7) -> float:
 
 
 def by_name(engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["name"]: r for r in engine["results"]}
+    """Each result by name, with `loaded`: the blocks it loaded per tier, where the
+    engine counted them."""
+    out = {}
+    before: dict[str, float] = {}
+    for r in engine["warm"] + engine["results"]:
+        now = r.get("counters")
+        if now is not None:
+            r["loaded"] = {k.removeprefix("tier="): v - before.get(k, 0) for k, v in now.items()}
+            before = now
+        out[r["name"]] = r
+    return out
 
 
 def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], args) -> dict[str, Any]:
@@ -191,6 +215,9 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
             problems.append(f"{engine} {r['name']}: first token differs from the cold run")
         if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
             problems.append(f"{engine} {r['name']}: logprobs differ from the cold run")
+        tier = {"disk": "disk", "cpu": "cpu", "inflight": "cpu"}.get(label)
+        if tier is not None and "loaded" in r and r["loaded"].get(tier, 0) != want_cached // BLOCK:
+            problems.append(f"{engine} {r['name']}: loaded {r['loaded']}, want every block from {tier}")
         return r
 
     def pairs(keys: list[tuple[int, int]], with_rounds: bool) -> list[tuple[tuple[int, int], int]]:
@@ -218,14 +245,14 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
             "inflight_ms": 1000 * median(times("tiercache", "inflight", False)),
             "example_ms": 1000 * median(times("example", "example")),
             "example_pc_ms": 1000 * median(times("example", "pc")),
-            "disk_ms": 1000 * median(times("tiercache_disk", "disk", False)),
-            "disk_cpu_ms": 1000 * median(times("tiercache_disk", "cpu", False)),
+            "disk_ms": 1000 * median(times("tiercache_disk", "disk")),
+            "disk_cpu_ms": 1000 * median(times("tiercache_disk", "cpu")),
             # The paired ratios: each hit against the prefix-cache hit just before it.
             "cpu_over_pc_paired": median(ratios("tiercache", "cpu", "pc")),
             "example_over_pc_paired": median(ratios("example", "example", "pc")),
             # The in-flight hit against the prefix-cache hit right after it (round 0).
             "inflight_over_pc_paired": median(ratios("tiercache", "inflight", "pc", False)),
-            "disk_over_cpu_paired": median(ratios("tiercache_disk", "disk", "cpu", False)),
+            "disk_over_cpu_paired": median(ratios("tiercache_disk", "disk", "cpu")),
         }
         # What the hit moves: every whole block of the prompt but the one vLLM recomputes.
         hit_bytes = (n - 1) // BLOCK * BLOCK * args.kv_bytes_per_token
@@ -297,9 +324,10 @@ def main() -> None:
     )
     parser.add_argument("--name", default="hit-pairs")
     args = parser.parse_args()
-    data = run(args)
-    data["machine"] = machine()
-    data["args"] = vars(args)
+    data: dict[str, Any] = {"engines": run(args), "machine": machine(), "args": vars(args)}
+    save(args.name, data)  # kept even if a check below fails
+    lengths = [int(x) for x in args.lengths.split(",")]
+    data["summary"] = summarize(data["engines"], prompts(lengths, args.repeats), args)
     save(args.name, data)
     show(data["summary"])
 
