@@ -31,12 +31,21 @@ def refuse_unsupported(vllm_config) -> None:
         )
 
 
-def _layout_name() -> str:
+def _layout_name(vllm_config, kv_cache_config) -> str:
+    """The KV cache layout the engine core resolved (vLLM 0.32 records it in the KV
+    cache config it hands both halves of the connector, and in the cache config); the
+    process-wide getter of earlier vLLM versions otherwise. Without it, two layouts
+    whose tensors have the same shape (block size equal to the head count) would
+    share keys and read each other's bytes transposed."""
+    for holder in (kv_cache_config, getattr(vllm_config, "cache_config", None)):
+        layout = getattr(holder, "kv_cache_layout", None)
+        if layout:
+            return str(layout)
     try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout  # vLLM before 0.32
 
         return str(get_kv_cache_layout())
-    except Exception:  # older/newer vLLM: the platform name still separates layouts
+    except Exception:  # no such getter: the platform name still separates backends
         return ""
 
 
@@ -106,7 +115,8 @@ def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSp
     layer_names = [name for group in groups for name in group.layer_names]
     page_bytes = sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names) for group in groups)
     spec = groups[0].kv_cache_spec
-    layout = f"{current_platform.device_type}:{_layout_name()}:{type(spec).__name__}"
+    layout_name = _layout_name(vllm_config, kv_cache_config)
+    layout = f"{current_platform.device_type}:{layout_name}:{type(spec).__name__}"
     # MLA keeps one latent cache that every rank holds whole: store it once.
     is_mla = bool(getattr(model, "use_mla", False))
     ranks = 1 if is_mla else tp_size

@@ -49,18 +49,32 @@ def vllm_config(model: str, *, quantization=None, revision=None, tp=1, pp=1):
     )
 
 
-def kv_cache_config(layer_names=STAGE_0):
+def kv_cache_config(layer_names=STAGE_0, layout=None):
     spec = SimpleNamespace(page_size_bytes=PAGE, num_kv_heads=2, head_size=16)
     return SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(layer_names))], num_blocks=16
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(layer_names))],
+        num_blocks=16,
+        kv_cache_layout=layout,
     )
 
 
-def digests(vllm, layers=STAGE_0, **config) -> list[str]:
+def digests(vllm, layers=STAGE_0, layout=None, **config) -> list[str]:
     pytest.importorskip("vllm")
     from tiercache.connector.spec import kv_specs
 
-    return [s.digest() for s in kv_specs(vllm, kv_cache_config(layers), build_config(config, environ={}))]
+    kv = kv_cache_config(layers, layout)
+    return [s.digest() for s in kv_specs(vllm, kv, build_config(config, environ={}))]
+
+
+def test_the_kv_cache_layout_the_engine_resolved_is_in_the_key(model_dir):
+    """vLLM 0.32 resolves the layout once and records it in the KV cache config; the
+    key read it from a getter that vLLM no longer has, so every layout got one key."""
+    config = vllm_config(str(model_dir))
+    assert digests(config, layout="LBNHC") != digests(config, layout="LBHNC")
+    assert digests(config, layout="LBNHC") == digests(config, layout="LBNHC")
+    # Recorded only in the cache config (the worker's copy before its KV cache config).
+    config.cache_config.kv_cache_layout = "LBHNC"
+    assert digests(config) == digests(config, layout="LBHNC")
 
 
 @pytest.fixture
