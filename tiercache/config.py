@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from tiercache.errors import ConfigError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -301,15 +303,6 @@ def unbounded_warnings(config: TierCacheConfig) -> list[str]:
 def redact_url(url: str) -> str:
     """The URL with any password (in the authority or the query) shown as ***."""
     return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url, count=1))
-
-
-class ConfigError(ValueError):
-    """A configuration refused, with one line per problem naming its field."""
-
-    def __init__(self, source: str, problems: list[str]):
-        self.source = source
-        self.problems = problems
-        super().__init__(f"invalid tiercache config ({source}):\n  " + "\n  ".join(problems))
 
 
 def _problems(error: ValidationError) -> list[str]:

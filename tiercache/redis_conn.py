@@ -18,14 +18,11 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from tiercache.config import RedisConfig, redact_url
+from tiercache.errors import RedisUnavailable
 from tiercache.metrics import INDEX_ERRORS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class RedisUnavailable(Exception):
-    """Redis did not answer, or is inside its backoff window."""
 
 
 def connect(url: str, settings: RedisConfig):

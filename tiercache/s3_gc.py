@@ -73,10 +73,6 @@ ORPHANS_ALWAYS_SWEPT = 16
 REGISTRY_SNAPSHOT = "tiercache-registry.json"
 
 
-class GcBusy(Exception):
-    """A GC pass is already running."""
-
-
 def registered_deployments(redis: GuardedRedis) -> list[Deployment]:
     """Every deployment in the registry; an unreadable entry is skipped with a warning
     rather than failing the caller."""

@@ -19,6 +19,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from tiercache.errors import CpuTierFull
 from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
 from tiercache.tiers import CPU
 
@@ -29,10 +30,6 @@ SHM_DIR = "/dev/shm"
 # A process group SIGKILLed whole (its resource tracker with it) leaves its segment
 # behind, and the next buffer made on the host removes those whose owner is gone.
 _SEGMENT = re.compile(r"^tiercache-(\d+)-(\d+)-[0-9a-f]+$")
-
-
-class CpuTierFull(Exception):
-    """Every slot is pinned by an in-flight transfer."""
 
 
 class SlotAllocator:

@@ -16,10 +16,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
+from tiercache.errors import GcBusy
 from tiercache.index import Deployment, RedisIndex
 from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
-from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, GcBusy, gc_redis_client, registered_deployments, run_gc
+from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, gc_redis_client, registered_deployments, run_gc
 from tiercache.service.models import (
     MAX_LOOKUP_HASHES,
     DeploymentHit,
