@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -319,7 +320,7 @@ def _problems(error: ValidationError) -> list[str]:
 ENV_PREFIX = "TIERCACHE_"
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """TIERCACHE_CPU__CAPACITY=4GiB -> {"cpu": {"capacity": "4GiB"}} (YAML-typed values)."""
     environ = os.environ if environ is None else environ
     overrides: dict[str, Any] = {}

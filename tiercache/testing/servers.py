@@ -13,8 +13,12 @@ import tempfile
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 
 def free_port() -> int:
@@ -96,7 +100,7 @@ class RedisServer:
 @dataclass
 class S3Endpoint:
     url: str
-    server: object | None  # a ThreadedMotoServer, or None for one in its own process
+    server: ThreadedMotoServer | None  # None for a server in its own process
 
     def stop(self) -> None:
         if self.server is not None:
@@ -162,7 +166,7 @@ def moto_process(bucket: str, cpus: set[int] | None = None):
             process.wait()
 
 
-def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> None:
+def create_bucket(endpoint_url: str | None, bucket: str, region: str = "us-east-1") -> None:
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
