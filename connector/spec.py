@@ -33,7 +33,7 @@ def refuse_unsupported(vllm_config) -> None:
 
 def _layout_name() -> str:
     try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout  # type: ignore[attr-defined]  # gone in vLLM 0.32
 
         return str(get_kv_cache_layout())
     except Exception:  # older/newer vLLM: the platform name still separates layouts
