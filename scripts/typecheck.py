@@ -31,10 +31,15 @@ def _runtime_name(module: str) -> str:
     return PACKAGE_DIR[top] + dot + rest if top in PACKAGE_DIR else module
 
 
+def _is_target(arg: str) -> bool:
+    """A Python file or a package folder (an option's value, such as a cache folder, is neither)."""
+    return arg.endswith(".py") and os.path.isfile(arg) or os.path.isfile(os.path.join(arg, "__init__.py"))
+
+
 def main() -> None:
     started = time.time()
     args = sys.argv[1:]
-    if not any(os.path.exists(arg) for arg in args):
+    if not any(_is_target(arg) for arg in args):
         args = [*args, *DEFAULT_TARGETS]
     fscache = FileSystemCache()
     sources, options = process_options(args, fscache=fscache)

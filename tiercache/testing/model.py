@@ -50,7 +50,7 @@ def write_tiny_llama(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,
         initializer_range=0.2,
-        torch_dtype=dtype,  # type: ignore[call-arg]  # transformers 5 renamed it dtype; both work
+        torch_dtype=dtype,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))

@@ -13,12 +13,9 @@ import tempfile
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import redis
-
-if TYPE_CHECKING:
-    from moto.server import ThreadedMotoServer
 
 
 def free_port() -> int:
@@ -100,7 +97,7 @@ class RedisServer:
 @dataclass
 class S3Endpoint:
     url: str
-    server: ThreadedMotoServer | None  # None for a server in its own process
+    server: Any  # a ThreadedMotoServer, or None for one in its own process
 
     def stop(self) -> None:
         if self.server is not None:
