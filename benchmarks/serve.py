@@ -43,6 +43,10 @@ for S3) and tiercache's own `vllm:tiercache_loaded_blocks_total` by tier. The mo
 is tiercache.testing.model's random Llama, float32, sized so that a prefill costs
 much more than copying its KV, with the word-level tokenizer of
 tiercache.testing.serving. Results: benchmarks/results/serve.json (`--name`).
+
+This file runs past 500 lines on purpose: its traces, servers and report are one
+experiment sized by the same constants (CONFIGS, TRACES, BLOCK, MODEL, ENV), so they
+read best together; what it shares with the other benchmarks is in harness.py.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import IMG, RESULTS, CpuMonitor, machine, service_cpus  # noqa: E402
+from harness import IMG, RESULTS, CpuMonitor, machine, service_cpus  # noqa: E402
 
 from tiercache.testing.model import write_tiny_llama  # noqa: E402
 from tiercache.testing.serving import (  # noqa: E402

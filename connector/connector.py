@@ -6,7 +6,8 @@ and forwards vLLM's calls to the half that exists in this process."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,11 +21,24 @@ from tiercache.block_hashing import BlockHashing, shareable_seed
 from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
 
-from .metadata import TierCacheMetadata
+from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
 from .stats import GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
 from .worker import TierCacheWorker
+
+if TYPE_CHECKING:
+    # For annotations only, as vLLM's own base class imports them.
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("tiercache.connector")
 
@@ -57,7 +71,7 @@ def log_through_vllm() -> None:
     ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
 
 
-def block_hashing(vllm_config, block_size: int) -> BlockHashing | None:
+def block_hashing(vllm_config: VllmConfig, block_size: int) -> BlockHashing | None:
     """How this engine names blocks, for the service to hash a router's token ids the
     same way; None where the engine's seed is random (xxhash without PYTHONHASHSEED),
     which no other process can reproduce."""
@@ -74,8 +88,11 @@ def block_hashing(vllm_config, block_size: int) -> BlockHashing | None:
 
 
 class TierCacheConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ):
         refuse_unsupported(vllm_config)
+        assert kv_cache_config is not None, "vLLM passes its KV cache config to connectors"
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         log_through_vllm()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -154,7 +171,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         if self.worker is not None and meta is not None:
             self.worker.forward_begins(meta)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self.worker is not None and meta is not None:
             self.worker.start_load_kv(meta)
@@ -163,7 +180,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         meta = self._meta()
         if self.worker is not None and meta is not None:
             self.worker.save_layer(layer_name, meta)
@@ -181,10 +200,10 @@ class TierCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
 
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> TierCacheWorkerMetadata | None:
         return self.worker.take_worker_meta() if self.worker is not None else None
 
-    def get_kv_connector_stats(self):
+    def get_kv_connector_stats(self) -> TierCacheStats | None:
         if self.scheduler is not None:
             # vLLM asks the scheduler side too, after each step's update.
             stats = TierCacheStats()
@@ -203,26 +222,37 @@ class TierCacheConnector(KVConnectorBase_V1):
             self.scheduler.close()
 
     # -- scheduler side -------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         # vLLM's metrics know host memory and disk; S3 is a remote store, which vLLM
         # files under "external_unspecified". A split that does not add up is left
         # to vLLM's own fallback.
+        assert self.scheduler is not None
         tiers = self.scheduler.hit_tiers(request.request_id, num_external_tokens)
         return {_HIT_SOURCES[tier]: tokens for tier, tokens in tiers.items() if tokens}
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
+        assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
 
-    def take_events(self):
+    def take_events(self) -> Iterable[KVCacheEvent]:
         # vLLM drains this after every step and publishes it with its own GPU block
         # events (--kv-events-config); see connector/events.py.
         return self.scheduler.take_events() if self.scheduler is not None else ()
@@ -230,14 +260,21 @@ class TierCacheConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return self.scheduler.reset_cache() if self.scheduler is not None else None
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 
     # -- metrics ----------------------------------------------------------------------
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheStats:
         return TierCacheStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierCachePromMetrics:
         return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

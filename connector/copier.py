@@ -185,6 +185,7 @@ class PagedKVCopier:
     ) -> None:
         non_blocking = buffer.pinned and self.on_cuda
         if self.one_launch(buffer):
+            assert self.fused is not None  # one_launch says so
             index, rows = self.tables(block_ids, slots)
             if out_of_kv:
                 self.fused.gather(index, rows, buffer.tensor)
@@ -251,6 +252,7 @@ class PagedKVCopier:
         amiss leaves the other copy paths in their place."""
         if not self.one_launch(buffer):
             return
+        assert self.fused is not None  # one_launch says so
         try:
             index, rows = self.tables([0], [0])
             self.fused.gather(index, rows, buffer.tensor)

@@ -116,7 +116,8 @@ class LoadCostModel:
         estimate = self.tiers.get(tier)
         if tier == CPU or estimate is None or self.clock() - self._fresh_at[tier] > RECHECK_SECONDS:
             return 0.0
-        return estimate.predict(blocks)
+        predicted = estimate.predict(blocks)
+        return 0.0 if predicted is None else predicted  # None: no sample yet, so unmeasured
 
     def blocks_to_load(self, tiers: Sequence[str], block_size: int) -> int:
         """How many blocks of a hit to load: `tiers` names the tier of each block of

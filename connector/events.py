@@ -31,7 +31,7 @@ LOCALITY = "LOCAL"
 # Names the producer of the event among offloading tiers (vLLM's `ownership` field).
 OWNERSHIP = "tiercache"
 # One KV cache group (the connector refuses hybrid models' several).
-_EXTRA = {"group_idx": 0, "locality": LOCALITY, "ownership": OWNERSHIP}
+_EXTRA: dict[str, Any] = {"group_idx": 0, "locality": LOCALITY, "ownership": OWNERSHIP}
 
 
 class TierEvents:
@@ -99,18 +99,19 @@ class TierEvents:
         if not changes:
             return []
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         # Fields older vLLM builds' events lack are left out rather than refused.
         extra = {k: v for k, v in _EXTRA.items() if k in BlockStored.__struct_fields__}
         events: list[Any] = []
         removed: list = []
-        removed_tier = None
+        removed_tier = ""  # the tier of the blocks in `removed`
         for stored, tier, vllm_hash in changes:
             if removed and (stored or tier != removed_tier):
                 events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra))
                 removed = []
-            external = maybe_convert_block_hash(vllm_hash)  # bytes, or int if vLLM is asked for ints
+            # bytes, or int if vLLM is asked for ints
+            external = maybe_convert_block_hash(BlockHash(vllm_hash))
             if stored:
                 events.append(
                     BlockStored(

@@ -12,15 +12,19 @@ is the forward's."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+
+# A point in time: the host's perf_counter, or a recorded torch.cuda.Event on CUDA.
+Mark = Any
 
 
 class ForwardTimer:
     def __init__(self, on_cuda: bool):
         self.on_cuda = on_cuda
-        self._open: tuple[int, object] | None = None  # (tokens, start) of the step being timed
-        self._pending: list[tuple[int, object, object]] = []  # CUDA: (tokens, start, end) not yet done
+        self._open: tuple[int, Mark] | None = None  # (tokens, start) of the step being timed
+        self._pending: list[tuple[int, Mark, Mark]] = []  # CUDA: (tokens, start, end) not yet done
         self._done: list[tuple[int, float]] = []
 
     def begin(self, tokens: int) -> None:
@@ -53,7 +57,7 @@ class ForwardTimer:
         done, self._done = self._done, []
         return done
 
-    def _mark(self):
+    def _mark(self) -> Mark:
         if not self.on_cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)

@@ -129,6 +129,7 @@ class FusedBlockCopy:
         if any(region.offset % _WORD for region in regions):
             return None
         (shape,) = shapes
+        assert shape is not None  # refused above
         # Each layer's pieces must tile its region of the slot exactly.
         if any(shape.parts * shape.part_words * _WORD != region.nbytes for region in regions):
             return None

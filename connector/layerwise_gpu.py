@@ -55,6 +55,7 @@ class StreamLayerwiseLoad:
         programs: int = LAYER_LOAD_PROGRAMS,
     ):
         _require_one_launch(copier, buffer, "loads")
+        assert copier.fused is not None  # one_launch says so
         self._device = copier.device
         self._ready: dict[str, torch.cuda.Event | None] = {}
         # Blocks handed to this request may still be read by work queued before it.
@@ -99,6 +100,7 @@ class StreamLayerwiseSave:
 
     def _gather(self, number: int, programs: int | None) -> None:
         layer = range(number, number + 1)
+        assert self._copier.fused is not None  # one_launch said so when the save began
         self._copier.fused.gather(self._index, self._rows, self._buffer.tensor, layer, programs)
 
     def save(self, name: str) -> None:

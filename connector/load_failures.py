@@ -32,12 +32,12 @@ class RecentLoadFailures:
         while len(self._until) > MAX_REMEMBERED:
             self._until.popitem(last=False)
 
-    def __contains__(self, block: object) -> bool:
-        until = self._until.get(block)  # type: ignore[arg-type]
+    def __contains__(self, block: bytes) -> bool:
+        until = self._until.get(block)
         if until is None:
             return False
         if until <= self.clock():
-            del self._until[block]  # type: ignore[arg-type]
+            del self._until[block]
             return False
         return True
 

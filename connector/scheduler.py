@@ -15,6 +15,7 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
@@ -46,6 +47,15 @@ from .metadata import (
     TierCacheWorkerMetadata,
 )
 
+if TYPE_CHECKING:
+    # For annotations only: the scheduler half is handed these by the connector.
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import BlockHash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger("tiercache.connector")
 
 
@@ -60,12 +70,12 @@ class _Lookup:
 
 @dataclass
 class _Request:
-    request: object
+    request: Request
     block_ids: list[int] = field(default_factory=list)
     next_block: int = 0  # blocks before this one are cached or planned
 
 
-def slot_bytes_for(kv_cache_config) -> int:
+def slot_bytes_for(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
     copier lays them out)."""
     total = 0
@@ -80,7 +90,7 @@ class TierCacheScheduler:
         self,
         config: TierCacheConfig,
         specs: list[KVSpec],
-        kv_cache_config,
+        kv_cache_config: KVCacheConfig,
         worker_count: int,
         *,
         hashing: BlockHashing | None = None,
@@ -112,7 +122,7 @@ class TierCacheScheduler:
         if config.redis_url:
             self.redis = GuardedRedis(config.redis_url, config.redis)
             self.index = RedisIndex(self.redis)
-        self.looks_up_s3 = self.index is not None and config.s3 is not None
+        self.s3_index = self.index if config.s3 is not None else None
         # Once per vLLM instance, not once per TP rank's tier engine.
         for warning in unbounded_warnings(config):
             log.warning("tiercache: %s", warning)
@@ -122,8 +132,8 @@ class TierCacheScheduler:
         self.tier_events = self._watch_tiers(kv_events)
         if config.disk is not None:
             self._scan_disk()
-        if self.redis is not None:
-            self._register()
+        if self.index is not None:
+            self._register(self.index)
         if self.tier_events is not None and self.tier_events.presence is not None:
             self.tier_events.presence.start()
         self._requests: dict[str, _Request] = {}
@@ -143,6 +153,7 @@ class TierCacheScheduler:
     def _scan_disk(self) -> None:
         """Blocks whose object exists on disk for every rank: the node's disk tier
         survives restarts, and this is how the scheduler learns what it holds."""
+        assert self.config.disk is not None  # scanned only with a disk tier
         layout = DiskLayout(self.config.disk.path)
         per_rank = [{block for block, _ in layout.objects(digest)} for digest in self.rank_digests]
         common = set.intersection(*per_rank) if per_rank else set()
@@ -154,7 +165,7 @@ class TierCacheScheduler:
         if common:
             log.info("tiercache: %d blocks found on disk from earlier runs", len(common))
 
-    def _register(self) -> None:
+    def _register(self, index: RedisIndex) -> None:
         shape = ObjectShape(self.model_digest, self.rank_digests[0], self.slot_bytes)
         deployment = Deployment(
             model_digest=self.model_digest,
@@ -167,8 +178,9 @@ class TierCacheScheduler:
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
         )
+        assert self.redis is not None  # registered only with Redis
         try:
-            self.index.register(deployment)
+            index.register(deployment)
         except RedisUnavailable:
             log.warning("tiercache: redis unreachable at startup; S3 lookups are misses until it answers")
 
@@ -194,7 +206,7 @@ class TierCacheScheduler:
         """vLLM KV events for this step's tier changes (connector.take_events)."""
         return self.tier_events.take() if self.tier_events is not None else []
 
-    def _name(self, key: bytes, vllm_hash) -> None:
+    def _name(self, key: bytes, vllm_hash: BlockHash) -> None:
         """Events and presence name blocks by vLLM's hash, which differs from `key`
         after a reset: say which is which before the block can change tiers."""
         if self.tier_events is not None:
@@ -206,14 +218,14 @@ class TierCacheScheduler:
             self.tier_events.presence.close()
 
     # -- block names ----------------------------------------------------------------
-    def _block_key(self, block_hash) -> bytes:
+    def _block_key(self, block_hash: BlockHash) -> bytes:
         """The name a block is cached under: vLLM's hash, keyed by the weights epoch
         once vLLM has asked for a reset."""
         if self._weights_epoch is None:
             return bytes(block_hash)
         return hashlib.blake2b(bytes(block_hash), key=self._weights_epoch, digest_size=32).digest()
 
-    def _block_keys(self, request) -> list:
+    def _block_keys(self, request: Request) -> list:
         if self._weights_epoch is None:
             return request.block_hashes
         return [self._block_key(h) for h in request.block_hashes]
@@ -236,7 +248,7 @@ class TierCacheScheduler:
         return True
 
     # -- lookup -------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         hashes = self._block_keys(request)
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
@@ -254,10 +266,10 @@ class TierCacheScheduler:
                     break
                 tiers.append(tier)
             rest = first + len(tiers)
-            if rest < limit and self.looks_up_s3:
+            if rest < limit and self.s3_index is not None:
                 try:
                     wanted = [bytes(h) for h in hashes[rest:limit]]
-                    found = self.index.longest_prefix(self.model_digest, self.rank_digests, wanted)
+                    found = self.s3_index.longest_prefix(self.model_digest, self.rank_digests, wanted)
                     found = self.load_failures.leading_clear(wanted[:found])
                 except RedisUnavailable:
                     found = 0
@@ -289,7 +301,9 @@ class TierCacheScheduler:
                     return tiers[:i]
         return tiers
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         state = self._requests.get(req_id)
         if state is None:
@@ -368,7 +382,7 @@ class TierCacheScheduler:
         return BlockOp(block_hash, gpu_block, slot, tier)
 
     # -- each step ------------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output) -> TierCacheMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
         meta = TierCacheMetadata(
             write_backs=self.policy.take_write_backs(),
             loads=self._pending_loads,
@@ -402,7 +416,7 @@ class TierCacheScheduler:
         self._hit_tiers.clear()
         return meta
 
-    def _computes_prompt(self, output) -> bool:
+    def _computes_prompt(self, output: SchedulerOutput) -> bool:
         """Whether this step computes prompt tokens (a prefill, or a chunk of one):
         its forward then says what recomputing a prompt costs. Decode-only steps
         would say little about that and, being most steps, crowd out what does."""
@@ -415,7 +429,9 @@ class TierCacheScheduler:
                 return True
         return False
 
-    def _plan_stores(self, state: _Request, req_id: str, computed: int, output, meta) -> None:
+    def _plan_stores(
+        self, state: _Request, req_id: str, computed: int, output: SchedulerOutput, meta: TierCacheMetadata
+    ) -> None:
         request = state.request
         done_tokens = computed + output.num_scheduled_tokens.get(req_id, 0)
         limit = min(done_tokens // self.block_size, len(request.block_hashes), len(state.block_ids))
@@ -434,7 +450,7 @@ class TierCacheScheduler:
             meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU))
         state.next_block = max(state.next_block, limit)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, TierCacheWorkerMetadata):
             self.stats.update(worker_meta.hits)
@@ -471,7 +487,7 @@ class TierCacheScheduler:
             self.ledger.gone_from_disk(rank, value)
             self.policy.gone_from_disk(value)
 
-    def request_finished(self, request) -> tuple[bool, None]:
+    def request_finished(self, request: Request) -> tuple[bool, None]:
         # Stores copy out of the paged KV before the step ends: nothing to hold.
         self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)

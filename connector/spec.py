@@ -42,7 +42,8 @@ def _layout_name(vllm_config, kv_cache_config) -> str:
         if layout:
             return str(layout)
     try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout  # vLLM before 0.32
+        # vLLM before 0.32 only: mypy reads 0.32, which has no such function.
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout  # type: ignore[attr-defined]
 
         return str(get_kv_cache_layout())
     except Exception:  # no such getter: the platform name still separates backends

@@ -10,9 +10,14 @@ of every source's latest value."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .vllm_compat import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 TIERS = ("cpu", "disk", "s3")
 LATENCIES = "load_seconds"  # list of (tier, seconds), one per load job
@@ -112,7 +117,19 @@ class GaugeReport:
 
 
 class TierCachePromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    # vLLM's base takes one class per kind from `metric_types`, keyed by that kind, but
+    # types all three as type[PromMetricT], a TypeVar bound to the union of the kinds.
+    _gauge_cls: type[Gauge]  # type: ignore[assignment]  # see above
+    _counter_cls: type[Counter]  # type: ignore[assignment]  # see above
+    _histogram_cls: type[Histogram]  # type: ignore[assignment]  # see above
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._per_tier: dict[str, dict[tuple[int, str], Any]] = {}
         for name, (_, help_text) in _COUNTERS.items():

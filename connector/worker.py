@@ -63,7 +63,7 @@ class _AsyncLoad:
 
 @dataclass
 class _LayerwiseStep:
-    load: LayerwiseLoad
+    load: LayerwiseLoad | StreamLayerwiseLoad
     ops: list[BlockOp]
     started: float | None  # set for CPU hits, whose load time ends with the copy
     staged_ok: dict[int, bool]
@@ -193,6 +193,7 @@ class TierCacheWorker:
         self._begun = meta
         if self.engine is None or not meta.write_backs:
             return
+        assert self.copier is not None and self.buffer is not None  # set with the engine
         if self.copier.stream is not None:
             # Copies queued in earlier steps may still touch these slots (the
             # scheduler frees a slot only once they are reported done); waiting for the
@@ -228,12 +229,14 @@ class TierCacheWorker:
         """Stage a load's disk and S3 blocks into their slots, each tier apart (they
         run in parallel), noting when each tier's last block is in."""
         load = _AsyncLoad(job, [], time.perf_counter(), {})
+        assert self.engine is not None  # start_load_kv stages only with an engine
         for tier in (DISK, S3):
             ops = [op for op in job.ops if op.tier == tier]
             if not ops:
                 continue
             future = self.engine.stage_many([(op.block_hash, op.slot, tier) for op in ops])
-            future.add_done_callback(lambda _, t=tier: load.staged_at.setdefault(t, time.perf_counter()))
+            # (mypy cannot infer a lambda with a default argument: misc)
+            future.add_done_callback(lambda _, t=tier: load.staged_at.setdefault(t, time.perf_counter()))  # type: ignore[misc]
             load.staged.append((tier, ops, future))
         return load
 
@@ -266,6 +269,9 @@ class TierCacheWorker:
             self._release(ops, staged_ok)
             return
         slots, blocks = [op.slot for op in good], [op.gpu_block for op in good]
+        # _layerwise_ready: the layer order is known, with the KV caches registered.
+        assert self.copier is not None and self.buffer is not None and self._layer_order is not None
+        load: LayerwiseLoad | StreamLayerwiseLoad
         if self._layer_helper is None:
             load = StreamLayerwiseLoad(self.copier, self.buffer, slots, blocks, self._layer_order)
         else:
@@ -322,6 +328,7 @@ class TierCacheWorker:
         """Copy the good blocks into the paged KV; report the rest as failed."""
         good = self._good_prefix(ops, staged_ok)
         if good:
+            assert self.copier is not None and self.buffer is not None  # loads run with an engine
             self.copier.from_slots([op.slot for op in good], [op.gpu_block for op in good], self.buffer)
         self._release(ops, staged_ok)
 
@@ -338,6 +345,7 @@ class TierCacheWorker:
                 good.append(op)
                 self._hits[op.tier] += 1
                 self._stats.add(f"loaded_blocks_{op.tier}", 1)
+                assert self.buffer is not None  # loads run with an engine
                 self._stats.add(f"loaded_bytes_{op.tier}", self.buffer.slot_bytes)
             else:
                 failed = True
@@ -351,13 +359,15 @@ class TierCacheWorker:
             if op.slot < 0:
                 continue
             if staged_ok.get(id(op)) and self._promotes_to_disk(op.tier):
+                assert self.engine is not None  # loads run with an engine
                 self.engine.write_down(op.block_hash, op.slot, self._after_write, tiers=(DISK,))
             else:
                 self._emit(RELEASED, op.slot)
 
     def _promotes_to_disk(self, tier: str) -> bool:
+        has_disk = self.engine is not None and self.engine.disk is not None
         return self.writes_lower_tiers and promotes_to_disk(
-            tier, self.engine.disk is not None, write_back=self.config.movers.policy == "write_back"
+            tier, has_disk, write_back=self.config.movers.policy == "write_back"
         )
 
     def _fail_all(self, meta: TierCacheMetadata) -> None:
@@ -383,6 +393,7 @@ class TierCacheWorker:
             return
         self._begin_step(meta)
         if self._saving is None:
+            assert self.copier is not None and self.buffer is not None  # set with the engine
             ops = meta.stores
             self._saving = StreamLayerwiseSave(
                 self.copier, self.buffer, [op.gpu_block for op in ops], [op.slot for op in ops]
@@ -390,7 +401,12 @@ class TierCacheWorker:
         self._saving.save(layer_name)
 
     def _stream_copies(self) -> bool:
-        return self._layer_helper is None and self.copier is not None and self.copier.one_launch(self.buffer)
+        return (
+            self._layer_helper is None
+            and self.copier is not None
+            and self.buffer is not None  # set right after the copier
+            and self.copier.one_launch(self.buffer)
+        )
 
     def wait_for_save(self, meta: TierCacheMetadata) -> None:
         """The step's forward is over: finish its loads, then copy out its stores."""
@@ -405,6 +421,7 @@ class TierCacheWorker:
         if saving is not None:
             saving.finish()
         else:
+            assert self.copier is not None and self.buffer is not None  # set with the engine
             self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
         self._stats.add("stored_blocks", len(ops))
         for op in ops:

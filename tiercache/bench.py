@@ -85,7 +85,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[..., Any]) -> float:  # called with no arguments (a lambda's defaults bind)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -110,7 +110,7 @@ class _Pair:
         self.record(repeat, *((a, b) if repeat % 2 == 0 else (b, a)))
 
     def add_interleaved(
-        self, repeat: int, n: int, tier: Callable[[int], Any], raw: Callable[[int], Any]
+        self, repeat: int, n: int, tier: Callable[[int], Any], raw: Callable[..., Any]
     ) -> None:
         """Time block by block: tier and raw on block i back to back, in turns first."""
         tier_s = raw_s = 0.0
@@ -229,7 +229,9 @@ def _bench_cpu(payload: np.ndarray, progress: _Progress) -> dict[str, float]:
                 slot_of[i] = cache.put(hashes[i], rows[i])
 
             def tier_get(i: int, hashes=hashes) -> None:
-                _, view = cache.get(hashes[i])
+                got = cache.get(hashes[i])
+                assert got is not None  # put above, in a CPU tier that holds every block
+                _, view = got
                 outs[i][:] = view
 
             put.add_interleaved(repeat, blocks, tier_put, lambda i: np.copyto(raw_dst[i], payload[i]))
@@ -315,10 +317,12 @@ def _bench_s3(
         },
         environ={},
     )
+    assert config.s3 is not None
     concurrency = config.s3.max_concurrency
     shape = ObjectShape("e" * 16, "e" * 16, block_bytes)
     buffer = CpuBuffer(blocks, block_bytes, pin_memory=False)
     engine = TierEngine(config, shape, buffer)
+    assert engine.s3 is not None and engine.index is not None  # configured above
     raw_client = make_client(config.s3)  # plain boto3, the same transport settings
     pool = ThreadPoolExecutor(concurrency)
     rows = [memoryview(row) for row in payload]
@@ -434,7 +438,9 @@ def _redis_bytes_per_block(redis_url: str) -> float:
             count = min(10_000, INDEX_MEMBERS - start)
             client.zadd(key, {rng.bytes(32): now + i for i in range(count)})
         assert client.zcard(key) == INDEX_MEMBERS
-        return client.memory_usage(key, samples=0) / INDEX_MEMBERS
+        usage = client.memory_usage(key, samples=0)
+        assert usage is not None  # the key was just written
+        return usage / INDEX_MEMBERS
     finally:
         client.delete(key)
         client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from tiercache.errors import ConfigError
 
 _UNITS = {
     "": 1,
@@ -303,15 +306,6 @@ def redact_url(url: str) -> str:
     return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url, count=1))
 
 
-class ConfigError(ValueError):
-    """A configuration refused, with one line per problem naming its field."""
-
-    def __init__(self, source: str, problems: list[str]):
-        self.source = source
-        self.problems = problems
-        super().__init__(f"invalid tiercache config ({source}):\n  " + "\n  ".join(problems))
-
-
 def _problems(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
@@ -326,7 +320,7 @@ def _problems(error: ValidationError) -> list[str]:
 ENV_PREFIX = "TIERCACHE_"
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """TIERCACHE_CPU__CAPACITY=4GiB -> {"cpu": {"capacity": "4GiB"}} (YAML-typed values)."""
     environ = os.environ if environ is None else environ
     overrides: dict[str, Any] = {}

@@ -210,6 +210,7 @@ class TierEngine:
             view = memoryview(data) if data is not None else self.buffer.view(result.slot)
             header = self.shape.header(result.block_hash, view, self._integrity_key)
             if DISK in tiers:
+                assert self.disk is not None  # write_down keeps only the tiers in self.lower
                 result.stored[DISK] = self.disk.put(header.key, view, header)
             if S3 in tiers:
                 upload = (view, header)
@@ -261,9 +262,12 @@ class TierEngine:
         return self._readers[tier](block_hash, self.shape.key(block_hash), out)
 
     def _read_disk(self, block_hash: bytes, key: str, out: memoryview) -> bool:
+        assert self.disk is not None  # read_into reads only the tiers in self.lower
         return self.disk.get_into(key, out, self.shape.pages)
 
     def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
+        # Only the tiers in self.lower are read, and the config refuses S3 without Redis.
+        assert self.s3 is not None and self.leases is not None
         model, rank = self.shape.model_digest, self.shape.rank_digest
         token = new_token()
         try:

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import SupportsBytes
 
 HEX_KEY = re.compile(r"^[0-9a-f]{16}/[0-9a-f]{16,128}$")
 
@@ -81,7 +82,7 @@ def weights_fingerprint(directory: str | Path) -> str | None:
         config = (root / "config.json").read_bytes()
     except OSError:
         config = b""
-    entries = []
+    entries: list[list[str | int]] = []
     try:
         files = {path for pattern in WEIGHT_PATTERNS for path in root.glob(pattern)}
         for path in sorted(files):
@@ -98,7 +99,7 @@ def weights_fingerprint(directory: str | Path) -> str | None:
     return _digest({"config": hashlib.sha256(config).hexdigest(), "files": entries})
 
 
-def block_hash_hex(block_hash: bytes | object) -> str:
+def block_hash_hex(block_hash: bytes | SupportsBytes) -> str:
     """vLLM's BlockHash is bytes; older builds wrapped it. Either way, hex it."""
     raw = block_hash if isinstance(block_hash, (bytes, bytearray)) else bytes(block_hash)
     return raw.hex()

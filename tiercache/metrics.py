@@ -4,6 +4,7 @@ each vLLM worker expose their own."""
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -65,7 +66,7 @@ class timed:
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         latency, ok, error, moved = self._children
         if exc_type is not None:
             error.inc()

@@ -141,6 +141,7 @@ def inspect_file(path: Path, console: Console, integrity_key: bytes | None = Non
 def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
     from tiercache.tiers.disk import DiskLayout
 
+    assert config.disk is not None  # called only with a disk tier
     path = Path(DiskLayout(config.disk.path).path(key))
     if not path.is_file():
         return f"absent ({path})", False

@@ -44,7 +44,7 @@ class TierWatcher(Protocol):
 
 class BlockPolicy:
     def __init__(self, num_slots: int, slot_bytes: int, *, write_back: bool):
-        self.slots = SlotAllocator(num_slots, slot_bytes)
+        self.slots: SlotAllocator[bytes] = SlotAllocator(num_slots, slot_bytes)
         self.write_back = write_back
         self.watcher: TierWatcher | None = None
         self.ready: set[bytes] = set()  # blocks whose CPU slot is filled

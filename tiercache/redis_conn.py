@@ -18,14 +18,11 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from tiercache.config import RedisConfig, redact_url
+from tiercache.errors import RedisUnavailable
 from tiercache.metrics import INDEX_ERRORS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class RedisUnavailable(Exception):
-    """Redis did not answer, or is inside its backoff window."""
 
 
 def connect(url: str, settings: RedisConfig):
@@ -85,7 +82,7 @@ class GuardedRedis:
             script = self._scripts[source] = client.register_script(source)
         return script
 
-    def call(self, op: str, fn: Callable[[], T], slow_after: float | None = None) -> T:
+    def call(self, op: str, fn: Callable[..., T], slow_after: float | None = None) -> T:
         """Run `fn` against Redis, or raise RedisUnavailable without waiting when the
         breaker is open. A call that answers, but after `slow_after` seconds, returns
         its answer and opens the breaker as a failure would: each socket read is

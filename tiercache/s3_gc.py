@@ -73,10 +73,6 @@ ORPHANS_ALWAYS_SWEPT = 16
 REGISTRY_SNAPSHOT = "tiercache-registry.json"
 
 
-class GcBusy(Exception):
-    """A GC pass is already running."""
-
-
 def registered_deployments(redis: GuardedRedis) -> list[Deployment]:
     """Every deployment in the registry; an unreadable entry is skipped with a warning
     rather than failing the caller."""
@@ -102,6 +98,7 @@ def gc_redis_client(config: TierCacheConfig) -> GuardedRedis:
     settings = config.redis.model_copy(
         update={"socket_timeout": max(config.redis.socket_timeout, 10.0), "retry_backoff": 0.0}
     )
+    assert config.redis_url is not None  # called only where Redis is configured
     return GuardedRedis(config.redis_url, settings)
 
 
@@ -160,6 +157,7 @@ def run_gc(
         report["errors"].append("s3 is not configured: there is nothing to collect")
         return report
     with PassClients(config, redis, s3) as res, failures_reported(report):
+        assert res.redis is not None and res.s3 is not None  # both configured (checked above)
         deployments = registered_deployments(res.redis)
         _save_registry_snapshot(res.s3, deployments)
         mine = [d for d in deployments if d.namespace == config.namespace]
@@ -208,6 +206,7 @@ def _keep_under_capacity(
     leases = Leases(redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl)
     used = _used_bytes(index, deployments)
     report["used_bytes_before"] = report["used_bytes_after"] = used
+    assert config.s3 is not None  # run_gc returns early without S3
     capacity = config.s3.capacity
     if capacity is None:
         return
@@ -469,6 +468,7 @@ def flush_namespace(
         "errors": [],
     }
     with PassClients(config, redis, s3) as res:
+        assert res.redis is not None  # a client given, or redis_url (checked above)
         index = RedisIndex(res.redis)
         for dep in registered_deployments(res.redis):
             if dep.namespace != namespace:

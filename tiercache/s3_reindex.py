@@ -106,6 +106,7 @@ def reindex(
         report["errors"].append("s3 is not configured: there is nothing to index")
         return report
     with PassClients(config, redis, s3) as res, failures_reported(report):
+        assert res.redis is not None and res.s3 is not None  # both configured (checked above)
         report["registry_restored"] = _restore_registry(res.redis, res.s3)
         deployments = registered_deployments(res.redis)
         _reindex_objects(res.redis, res.s3, deployments, report)

@@ -78,6 +78,7 @@ class UploadProcess:
     def __init__(self, setup: UploadSetup):
         self.setup = replace(setup, config=setup.config.model_copy(update={"integrity_key": None}))
         s3 = setup.config.s3
+        assert s3 is not None  # the upload process is the S3 tier's
         # Longest an answer can take: the wait for another writer's lease, then a
         # PUT with every retry.
         self.answer_timeout = (
@@ -166,6 +167,7 @@ class UploadProcess:
             op_id = next(self._ids)
             self._pending[op_id] = future
             process = self._process
+            assert self._conn is not None and process is not None  # set together by _start
             try:
                 self._conn.send(("put", op_id, block_hash, slot, data, header))
             except OSError:
@@ -229,6 +231,7 @@ def serve(conn: Connection) -> None:
     run_at(setup.cpus, setup.nice)
     config = setup.config
     slots = _open_slots(setup)
+    assert config.redis_url is not None and config.s3 is not None  # the worker's, which uploads to S3
     redis = GuardedRedis(config.redis_url, config.redis)
     writer = S3Writer(
         S3Tier(config.s3),
@@ -244,6 +247,7 @@ def serve(conn: Connection) -> None:
             if data is not None:
                 view = memoryview(data)
             else:
+                assert slot is not None  # data is given when there is no slot
                 view = slots[slot * setup.slot_bytes : (slot + 1) * setup.slot_bytes]
             stored = writer.upload(block_hash, view, header)
         except Exception:  # an answer must go back whatever a tier throws

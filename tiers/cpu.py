@@ -14,11 +14,13 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from multiprocessing import shared_memory
+from typing import Generic, TypeVar
 
 import torch
 
+from tiercache.errors import CpuTierFull
 from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
 from tiercache.tiers import CPU
 
@@ -30,14 +32,13 @@ SHM_DIR = "/dev/shm"
 # behind, and the next buffer made on the host removes those whose owner is gone.
 _SEGMENT = re.compile(r"^tiercache-(\d+)-(\d+)-[0-9a-f]+$")
 
-
-class CpuTierFull(Exception):
-    """Every slot is pinned by an in-flight transfer."""
+K = TypeVar("K", bound=Hashable)
 
 
-class SlotAllocator:
+class SlotAllocator(Generic[K]):
     """Maps keys to slot numbers with LRU eviction. A pinned slot (a transfer is
-    reading or writing it) is never handed to another key."""
+    reading or writing it) is never handed to another key. Keys are the caller's
+    (the CPU tier's are vLLM block hashes, bytes)."""
 
     def __init__(self, num_slots: int, slot_bytes: int = 0):
         if num_slots < 1:
@@ -46,7 +47,7 @@ class SlotAllocator:
         self.slot_bytes = slot_bytes
         self._lock = threading.Lock()
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._slot_of: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self._slot_of: OrderedDict[K, int] = OrderedDict()  # oldest first
         self._pins: dict[int, int] = {}
         self._detached: set[int] = set()  # removed while pinned: freed on last unpin
         TIER_CAPACITY.labels(TIER).set(num_slots * slot_bytes)
@@ -54,23 +55,23 @@ class SlotAllocator:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._slot_of
 
-    def slot_of(self, key: str) -> int | None:
+    def slot_of(self, key: K) -> int | None:
         return self._slot_of.get(key)
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list[K]:
         with self._lock:
             return list(self._slot_of)
 
-    def touch(self, keys: Iterable[str]) -> None:
+    def touch(self, keys: Iterable[K]) -> None:
         with self._lock:
             for key in keys:
                 if key in self._slot_of:
                     self._slot_of.move_to_end(key)
 
-    def allocate(self, key: str) -> tuple[int, str | None]:
+    def allocate(self, key: K) -> tuple[int, K | None]:
         """A pinned slot for `key`, and the key evicted to make room (or None).
         The caller fills the slot, then unpins it."""
         with self._lock:
@@ -90,7 +91,7 @@ class SlotAllocator:
             self._publish()
             return slot, evicted
 
-    def pin(self, key: str) -> int | None:
+    def pin(self, key: K) -> int | None:
         """Pin `key`'s slot for a read (marks it recently used); None if absent."""
         with self._lock:
             slot = self._slot_of.get(key)
@@ -110,7 +111,7 @@ class SlotAllocator:
                 self._detached.discard(slot)
                 self._free.append(slot)
 
-    def remove(self, key: str) -> bool:
+    def remove(self, key: K) -> bool:
         """Forget `key` (a failed fill, a flush). A pinned slot is freed on its last unpin."""
         with self._lock:
             slot = self._slot_of.pop(key, None)
@@ -138,7 +139,7 @@ class SlotAllocator:
         with self._lock:
             return len(self._pins)
 
-    def unpinned_among(self, keys: Iterable[str]) -> int:
+    def unpinned_among(self, keys: Iterable[K]) -> int:
         """How many of `keys` hold a slot that no transfer holds."""
         with self._lock:
             slots = (self._slot_of.get(key) for key in keys)
@@ -224,7 +225,7 @@ def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
     """Remove the segments of owners that are gone (this pid namespace's only: a pid
     from another means nothing here). Returns the names removed."""
     namespace = str(_pid_namespace())
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

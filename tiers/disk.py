@@ -479,7 +479,7 @@ def _aligned(data: memoryview) -> bool:
     return address % DATA_ALIGN == 0
 
 
-def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+def _write_all(fd: int, *parts: bytes | memoryview | mmap.mmap) -> None:
     """Write `parts` in order with as few system calls as the kernel allows."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
     while views:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
+from tiercache.errors import CorruptObject
+
 FORMAT_VERSION = "1"
 DATA_ALIGN = 4096
 TENSOR_NAME = "kv"
@@ -24,10 +26,6 @@ _LEN = struct.Struct("<Q")
 MAC_FIELD = "mac_hmac_sha256"
 # Names what a MAC is over, so it cannot be taken for a MAC over anything else.
 _MAC_DOMAIN = "tiercache-object-mac-v1"
-
-
-class CorruptObject(Exception):
-    """An object whose header or checksum does not match what was asked for."""
 
 
 def checksum(data: memoryview | bytes) -> str:

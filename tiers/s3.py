@@ -43,10 +43,6 @@ class Fetch(enum.Enum):
     UNAVAILABLE = "unavailable"  # the store did not answer, or refused this read
 
 
-class S3Unavailable(Exception):
-    """The endpoint did not answer within the configured timeouts."""
-
-
 def make_client(config: S3TierConfig):
     boto_config = BotoConfig(
         region_name=config.region,

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from tiercache.s3_gc import GcBusy, flush_namespace
+from tiercache.errors import GcBusy
+from tiercache.s3_gc import flush_namespace
 from tiercache.service.http import service_state
 from tiercache.service.models import NAMESPACE_PATTERN, ProblemResponse
 from tiercache.service.state import ServiceState

@@ -41,7 +41,7 @@ class LookupRequest(BaseModel):
     )
     # Optional without being nullable: a client sends one of the two, never a null.
     block_hashes: list[BlockHashHex] = Field(
-        None,
+        None,  # type: ignore[arg-type]  # absent is None; a null is refused (not in the type)
         min_length=1,
         max_length=MAX_LOOKUP_HASHES,
         description="vLLM's chained block hashes of the prompt, in order, hex-encoded "
@@ -49,7 +49,7 @@ class LookupRequest(BaseModel):
         examples=[["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]],
     )
     token_ids: list[TokenId] = Field(
-        None,
+        None,  # type: ignore[arg-type]  # as block_hashes
         min_length=1,
         max_length=MAX_LOOKUP_TOKENS,
         description="The prompt's token ids, as the router tokenized it. Each deployment's "

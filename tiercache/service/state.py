@@ -16,10 +16,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
+from tiercache.errors import GcBusy
 from tiercache.index import Deployment, RedisIndex
 from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
-from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, GcBusy, gc_redis_client, registered_deployments, run_gc
+from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, gc_redis_client, registered_deployments, run_gc
 from tiercache.service.models import (
     MAX_LOOKUP_HASHES,
     DeploymentHit,
@@ -111,6 +112,7 @@ class ServiceState:
 
     # -- readiness ----------------------------------------------------------------
     def _check_redis(self) -> dict[str, Any]:
+        assert self.redis is not None  # probed only when configured
         try:
             self.redis.client.ping()
             return {"ok": True}
@@ -118,6 +120,7 @@ class ServiceState:
             return {"ok": False, "error": f"no answer to PING ({type(error).__name__})"}
 
     def _check_s3(self) -> dict[str, Any]:
+        assert self.s3_probe is not None and self.config.s3 is not None  # probed only when configured
         try:
             self.s3_probe.head_bucket(Bucket=self.config.s3.bucket)
             return {"ok": True}
@@ -132,7 +135,7 @@ class ServiceState:
         if self.redis is not None:
             budget = self.config.redis.connect_timeout + self.config.redis.socket_timeout
             probes["redis"] = (self._checks.submit(self._check_redis), budget)
-        if self.s3_probe is not None:
+        if self.s3_probe is not None and self.config.s3 is not None:  # one is set with the other
             budget = self.config.s3.connect_timeout + min(self.config.s3.read_timeout, PROBE_READ_TIMEOUT)
             probes["s3"] = (self._checks.submit(self._check_s3), budget)
         checks: dict[str, dict[str, Any]] = {}
@@ -199,6 +202,7 @@ class ServiceState:
             counts.blocks_hit += hit
 
     def _disk_prefix(self, rank_digests: tuple[str, ...], hashes: list[str]) -> int:
+        assert self.disk is not None  # asked only with a disk tier
         for i, block in enumerate(hashes):
             for rank in rank_digests:
                 if not self.disk.holds(f"{rank}/{block}"):
@@ -209,6 +213,7 @@ class ServiceState:
         requested = len(request.block_hashes) if request.block_hashes is not None else 0
         hits: list[DeploymentHit] = []
         if self.index is not None:
+            assert self.redis is not None  # the index is over it
             deployments = [d for d in registered_deployments(self.redis) if d.namespace == request.namespace]
             hashed: dict[tuple, list[bytes]] = {}  # token ids hashed once per way of hashing
             for dep in sorted(deployments, key=lambda d: d.model_digest):
@@ -226,6 +231,7 @@ class ServiceState:
         )
 
     def _lookup_deployment(self, dep: Deployment, request: LookupRequest, hashed: dict) -> DeploymentHit:
+        assert self.index is not None and self.redis is not None  # lookup asks only with both
         error = None
         if request.block_hashes is not None:
             raw = [bytes.fromhex(h) for h in request.block_hashes]

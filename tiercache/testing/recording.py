@@ -93,6 +93,7 @@ class RecordingTierCacheConnector(TierCacheConnector):
             self._tables: dict[str, list[int]] = {}  # req id -> its block ids, as vLLM keeps them
             self._since_step: list[dict[str, Any]] = []  # lookups and finishes before the next step
         else:
+            assert self.worker is not None  # one half or the other
             self._log = _Log(f"worker-rank{self.worker.tp_rank}")
 
     # -- scheduler half -----------------------------------------------------------
@@ -147,6 +148,7 @@ class RecordingTierCacheConnector(TierCacheConnector):
 
     def _scheduled(self, req_id: str, computed: int, scheduler_output) -> dict[str, Any]:
         request = self._requests.get(req_id)
+        assert self.scheduler is not None  # a scheduler-side call
         hashes = [_hex(h) for h in self.scheduler._block_keys(request)] if request is not None else []
         return {
             "req": req_id,
@@ -159,6 +161,7 @@ class RecordingTierCacheConnector(TierCacheConnector):
     # -- worker half ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         super().register_kv_caches(kv_caches)
+        assert self.worker is not None  # a worker-side call
         self._log.write(
             call="register_kv_caches",
             layers={

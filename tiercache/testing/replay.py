@@ -46,6 +46,7 @@ LAYOUTS = {
 }
 BLOCK_DIM = {"flash_attn": 1, "flashinfer": 0}
 PARTIAL = -1.0  # what a block not yet full holds: never read back, never stored
+BOUND = "a recording registers the KV caches, and binds a step's metadata before its other calls"
 
 
 def content(hash_number: int, layer: int, rank: int) -> torch.Tensor:
@@ -211,7 +212,7 @@ class Replay:
     def run(self) -> ReplayResult:
         worker = self.worker
         meta: TierCacheMetadata | None = None
-        step: dict[str, Any] | None = None
+        step: dict[str, Any] = {}  # the bound step's schedule
         staging: _GatedStaging | None = None
         deferred_start = False
         in_forward = False
@@ -223,7 +224,7 @@ class Replay:
                     worker.register_kv_caches(self.kv, self.slot_bytes)
                     assert worker.engine is not None, worker.disabled_reason
                     staging = _GatedStaging(worker.engine.stage_many)
-                    worker.engine.stage_many = staging
+                    worker.engine.stage_many = staging  # type: ignore[method-assign]  # gated by the replay
                 elif name == "bind":
                     meta = decode_meta(call[1])
                     step = self.schedule[call[1]["step"]]
@@ -234,20 +235,24 @@ class Replay:
                     if self.loads_after_forward and not in_forward:
                         deferred_start = True
                         continue
+                    assert meta is not None and staging is not None, BOUND
                     self._start(meta, staging)
                 elif name == "wait_for_layer_load":
                     in_forward = True
                     worker.wait_for_layer(call[1])
                     self._attention(step, call[1])
                 elif name == "save_kv_layer":
+                    assert meta is not None, BOUND
                     worker.save_layer(call[1], meta)
                 elif name == "wait_for_save":
+                    assert meta is not None and staging is not None, BOUND
                     if deferred_start:
                         deferred_start = False
                         self._start(meta, staging)
                     worker.wait_for_save(meta)
                 elif name == "get_finished":
                     recorded = set(call[2] or ())
+                    assert staging is not None, BOUND
                     staging.release(recorded)
                     got = worker.get_finished()
                     assert got == recorded, (step["step"], "finished receiving", got, recorded)
@@ -272,7 +277,7 @@ class Replay:
                         )
                 elif name == "clear_connector_metadata":
                     # A later step's disk or S3 hit reads what this step wrote down.
-                    assert worker.engine.flush(60), "write-downs did not finish"
+                    assert worker.engine is not None and worker.engine.flush(60), "write-downs did not finish"
                 elif name == "shutdown":
                     worker.shutdown()
                 # handle_preemptions: the connector keeps vLLM's default (nothing to do).

@@ -13,6 +13,7 @@ import tempfile
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -96,7 +97,7 @@ class RedisServer:
 @dataclass
 class S3Endpoint:
     url: str
-    server: object | None  # a ThreadedMotoServer, or None for one in its own process
+    server: Any  # a ThreadedMotoServer, or None for one in its own process
 
     def stop(self) -> None:
         if self.server is not None:
@@ -162,7 +163,7 @@ def moto_process(bucket: str, cpus: set[int] | None = None):
             process.wait()
 
 
-def create_bucket(endpoint_url: str, bucket: str, region: str = "us-east-1") -> None:
+def create_bucket(endpoint_url: str | None, bucket: str, region: str = "us-east-1") -> None:
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
