@@ -84,6 +84,16 @@ def test_nothing_is_refused_before_both_sides_are_measured():
     assert model().blocks_to_load(HIT, BLOCK) == 9  # no tier measured yet: taken
 
 
+def test_a_tier_whose_only_sample_was_rejected_counts_as_unmeasured():
+    """A load of no blocks is no sample: the tier's estimate exists but has none, and
+    its prediction (None) reached the comparison and raised TypeError in vLLM's
+    scheduler before."""
+    cost = model()
+    cost.observe_load(DISK, 0, 0.5)
+    assert cost.expected_load_seconds(DISK, 4) == 0.0
+    assert cost.blocks_to_load(HIT, BLOCK) == 9
+
+
 @pytest.mark.parametrize(
     ("disk", "s3", "loaded"),
     [
