@@ -28,14 +28,12 @@ summary read best in one place; other scripts import from harness.py, not from h
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -58,6 +56,7 @@ from harness import (
     results_by,
     save,
     service_cpus,
+    store_services,
     summarize_rows,
     ttft,
     write_model,
@@ -353,31 +352,6 @@ def print_ttft(data: dict[str, Any]) -> None:
                 f"{eng}: {extra * 1000:.0f} ms over the CPU hit; {raw['blocks']} objects by "
                 f"{floor.replace('_seconds', '')} alone: {bare * 1000:.0f} ms ({extra / bare:.2f}x)"
             )
-
-
-@contextlib.contextmanager
-def store_services(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
-    """redis-server and the S3 endpoint the store engines write through to, on the
-    cores the model does not use: moto, or with `--s3-server sink` a sink that reads
-    and discards each body (benchmarks/s3_sink.py). moto keeps every object in memory,
-    copying and hashing it several times on the memory bus the model's decode is bound
-    by, work a remote S3 endpoint does on its own machines; against the sink, what is
-    left on this box is tiercache's own cost. Yields the Redis server and the S3 URL."""
-    from s3_sink import running
-
-    from tiercache.testing.servers import RedisServer, local_stack
-
-    cpus = service_cpus(args)
-    if args.s3_server == "moto":
-        with local_stack("tiercache-store", s3_process=True, cpus=cpus) as (redis_server, s3):
-            yield redis_server, s3.url
-        return
-    redis_server = RedisServer(cpus=cpus).start()
-    try:
-        with running(cpus) as url:
-            yield redis_server, url
-    finally:
-        redis_server.close()
 
 
 def run_store(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,12 +9,14 @@ first on sys.path and `from harness import ...` finds this module."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +344,28 @@ def summarize_rows(
 def decode_rate(r: dict[str, Any]) -> float:
     """Tokens per second after the first, from vLLM's per-request timestamps."""
     return (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
+
+
+@contextlib.contextmanager
+def store_services(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
+    """redis-server and the S3 endpoint the store engines write through to, on the
+    cores the model does not use: moto, or with `--s3-server sink` a sink that reads
+    and discards each body (benchmarks/s3_sink.py). moto keeps every object in memory,
+    copying and hashing it several times on the memory bus the model's decode is bound
+    by, work a remote S3 endpoint does on its own machines; against the sink, what is
+    left on this box is tiercache's own cost. Yields the Redis server and the S3 URL."""
+    from s3_sink import running
+
+    from tiercache.testing.servers import RedisServer, local_stack
+
+    cpus = service_cpus(args)
+    if args.s3_server == "moto":
+        with local_stack("tiercache-store", s3_process=True, cpus=cpus) as (redis_server, s3):
+            yield redis_server, s3.url
+        return
+    redis_server = RedisServer(cpus=cpus).start()
+    try:
+        with running(cpus) as url:
+            yield redis_server, url
+    finally:
+        redis_server.close()

@@ -8,7 +8,9 @@ different minutes (single requests here spread by 10-15% between engines).
 Engines, each a fresh vLLM process with prefix caching on and the same core
 reservation:
   prefix_cache   no connector: cold, then prefix-cache hits (the floor of all).
-  tiercache      CPU + disk + S3 (moto) with write-through and the Redis index: cold;
+  tiercache      CPU + disk + S3 with write-through and the Redis index (S3 is a sink
+                 that discards the bodies, as a remote endpoint's work is done
+                 elsewhere; `--s3-server moto` for moto on this host): cold;
                  vLLM's prefix cache reset; a CPU-tier hit while the prompt's own
                  write-through to disk and S3 still runs ("in flight"); a pause until
                  it is quiet; then rounds of [prefix-cache hit; reset; CPU-tier hit].
@@ -45,7 +47,7 @@ from harness import (
     prompt,
     request,
     save,
-    service_cpus,
+    store_services,
     ttft,
     write_model,
 )
@@ -88,8 +90,6 @@ def name(label: str, key: tuple[int, int], round_: int = 0) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every engine's results, by engine name."""
-    from tiercache.testing.servers import local_stack
-
     lengths = [int(x) for x in args.lengths.split(",")]
     asks = prompts(lengths, args.repeats)
     work = Path(args.workdir).resolve()
@@ -129,12 +129,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     disk = work / "disk"
     shutil.rmtree(disk, ignore_errors=True)
     cpu = {"capacity": args.cpu_capacity}
-    with local_stack("tiercache-pairs", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
+    with store_services(args) as (redis_server, s3_url):
         everything = {
             "cpu": cpu,
             "disk": {"path": str(disk)},
             "redis_url": redis_server.url,
-            "s3": {"bucket": "tiercache-pairs", "endpoint_url": s3.url, "prefix": "pairs/"},
+            "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "pairs/"},
             "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},
         }
         items = warm_up(lengths, connector=True)
@@ -319,6 +319,13 @@ def main() -> None:
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     parser.add_argument("--workdir", default="/tmp/tiercache-bench-pairs")
+    parser.add_argument(
+        "--s3-server",
+        default="sink",
+        choices=["moto", "sink"],
+        help="what the tiercache engine writes through to: a sink that discards the bodies "
+        "(a remote endpoint's cost stays off this host; the default) or moto",
+    )
     parser.add_argument(
         "--kv-bytes-per-token", type=int, default=64 << 10, help="the benchmark model's KV (harness.MODEL)"
     )
