@@ -208,6 +208,12 @@ class TierCacheWorker:
         """vLLM bound this step's metadata: its forward starts now."""
         if self._forward_timer is not None:
             self._forward_timer.begin(meta.timed_tokens)
+        # This forward copies hits into the paged KV (this step's CPU hits, or staged
+        # hits reported at the end of the last step): on the CPU backend the movers'
+        # writes wait for its end, off the memory bus it is bound by (foreground.py).
+        loads_hits = self._layerwise or any(not job.is_async for job in meta.loads)
+        if loads_hits and self.engine is not None and self.copier is not None and not self.copier.on_cuda:
+            self.engine.foreground.hold()
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
@@ -287,6 +293,8 @@ class TierCacheWorker:
             step.load.wait(layer_name)
 
     def _end_of_forward(self) -> None:
+        if self.engine is not None:
+            self.engine.foreground.release()
         steps, self._layerwise = self._layerwise, []
         for step in steps:
             step.load.finish()
@@ -440,6 +448,8 @@ class TierCacheWorker:
 
     # -- reporting ------------------------------------------------------------------
     def get_finished(self) -> set[str]:
+        if self.engine is not None:
+            self.engine.foreground.release()  # every step ends here, with a forward or not
         if self._idle_step:
             self._idle_step = False
             staging = [future for load in self._async for _, _, future in load.staged]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config import TierCacheConfig
+from tiercache.foreground import ForegroundGate
 from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Leases, new_token
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
@@ -120,6 +121,9 @@ class TierEngine:
         }
         self._readers = {DISK: self._read_disk, S3: self._download}
         movers = config.movers
+        # Held by the connector's worker while a forward that loads hits runs on the
+        # CPU backend (see foreground.py); never held elsewhere.
+        self.foreground = ForegroundGate()
         # Write-down is background work: off the model's cores, at a lower priority.
         self._movers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
@@ -206,6 +210,7 @@ class TierEngine:
 
     def _write_task(self, result, data, tiers, on_done) -> None:
         upload = None
+        self.foreground.wait()
         try:
             view = memoryview(data) if data is not None else self.buffer.view(result.slot)
             header = self.shape.header(result.block_hash, view, self._integrity_key)
@@ -225,6 +230,7 @@ class TierEngine:
         self._write_ended(result, tiers, on_done)
 
     def _upload_task(self, result, data, view, header, on_done) -> None:
+        self.foreground.wait()
         try:
             if self.uploads is not None:
                 result.stored[S3] = self.uploads.upload(result.block_hash, result.slot, data, header)

@@ -1,0 +1,122 @@
+"""Background writes step aside while a forward loads hits on the CPU backend
+(tiercache/foreground.py): the gate itself, a real tier engine's write-down held back
+by it, and the connector's worker holding it exactly for forwards that copy hits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from tiercache.config import build_config
+from tiercache.connector.copier import PagedKVCopier
+from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
+from tiercache.connector.worker import TierCacheWorker
+from tiercache.engine import ObjectShape, TierEngine
+from tiercache.foreground import ForegroundGate
+from tiercache.keys import KVSpec
+from tiercache.tiers import CPU
+from tiercache.tiers.cpu import CpuBuffer
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_held_gate_keeps_a_waiting_mover_until_it_is_released():
+    gate = ForegroundGate(max_hold=5.0)
+    assert gate.hold()
+    passed = threading.Event()
+    mover = threading.Thread(target=lambda: (gate.wait(), passed.set()))
+    mover.start()
+    assert not passed.wait(0.2)
+    gate.release()
+    assert passed.wait(2.0)
+    mover.join()
+
+
+def test_a_mover_never_waits_longer_than_max_hold():
+    gate = ForegroundGate(max_hold=0.1)
+    gate.hold()  # never released: a step that did not end as expected
+    began = time.monotonic()
+    gate.wait()
+    assert time.monotonic() - began < 1.0
+
+
+def test_holds_stop_once_they_took_their_share_of_the_window():
+    clock = FakeClock()
+    gate = ForegroundGate(max_hold=0.5, max_share=0.5, window=2.0, clock=clock)
+    # Holds back to back, 0.5 s each: held all the time, the share (1 s of a 2 s
+    # window, the window's older part fading) is spent by the third.
+    for _ in range(3):
+        assert gate.hold()
+        clock.now += 0.5
+        gate.release()
+    assert not gate.hold() and not gate.held and gate.skipped == 1
+    clock.now += 2.0  # the window has moved on
+    assert gate.hold() and gate.held
+
+
+def test_a_hold_counts_at_most_max_hold_against_the_share():
+    clock = FakeClock()
+    gate = ForegroundGate(max_hold=0.5, max_share=0.5, window=2.0, clock=clock)
+    gate.hold()
+    clock.now += 30.0  # a step that never released for a long time
+    gate.release()
+    assert gate.hold()  # 0.5 s counted, decayed: room for more
+
+
+def test_the_engine_writes_nothing_down_while_the_gate_is_held(tmp_path):
+    slot = 4096
+    config = build_config({"cpu": {"capacity": 2 * slot}, "disk": {"path": str(tmp_path / "disk")}})
+    engine = TierEngine(config, ObjectShape("a" * 16, "b" * 16, slot), CpuBuffer(2, slot, pin_memory=False))
+    try:
+        engine.buffer.view(0)[:] = b"x" * slot
+        done = threading.Event()
+        assert engine.foreground.hold()
+        engine.write_down(b"k" * 32, 0, lambda result: done.set())
+        assert not done.wait(0.3)
+        assert not list((tmp_path / "disk").rglob("*.safetensors"))
+        engine.foreground.release()
+        assert done.wait(5.0)
+        assert list((tmp_path / "disk").rglob("*.safetensors"))
+    finally:
+        engine.close()
+
+
+def cpu_backend_worker(tmp_path) -> TierCacheWorker:
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv = {name: torch.randn(8, 2, 16, 8) for name in layers}
+    slot_bytes = PagedKVCopier(kv, 8).slot_bytes
+    config = build_config({"cpu": {"capacity": 4 * slot_bytes}, "disk": {"path": str(tmp_path / "disk")}})
+    spec = KVSpec("m", "", "float32", "auto", 16, "cpu", 2, 2, 8, 1, 0, "t", slot_bytes)
+    worker = TierCacheWorker(config, spec, "gate", 8, tp_rank=0, writes_lower_tiers=True, disk_share=1 << 24)
+    worker.register_kv_caches(kv, slot_bytes)
+    return worker
+
+
+def test_the_worker_holds_the_gate_for_a_forward_that_loads_a_hit_and_only_then(tmp_path):
+    worker = cpu_backend_worker(tmp_path)
+    gate = worker.engine.foreground
+    try:
+        store = TierCacheMetadata(stores=[BlockOp(b"h" * 32, 1, 0, CPU)])
+        worker.forward_begins(store)
+        assert not gate.held  # a forward that only stores
+        worker.start_load_kv(store)
+        worker.wait_for_save(store)
+        worker.get_finished()
+
+        hit = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(b"h" * 32, 5, 0, CPU)], False)])
+        worker.forward_begins(hit)
+        assert gate.held
+        worker.start_load_kv(hit)
+        worker.wait_for_save(hit)
+        assert not gate.held
+        worker.get_finished()
+    finally:
+        worker.shutdown()
