@@ -15,6 +15,7 @@ class BlockOp:
     gpu_block: int
     slot: int
     tier: str  # where the bytes are now: "cpu", "disk", "s3"; "" = lost, fail the block
+    req_id: str = ""  # a store's request: its blocks share S3 runs (tiercache/run_packer.py)
 
 
 @dataclass

@@ -426,7 +426,7 @@ class TierCacheScheduler:
                 self.stats["store_dropped"] += 1
                 break
             self._name(block_hash, request.block_hashes[i])
-            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU))
+            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU, req_id))
         state.next_block = max(state.next_block, limit)
 
     def update_connector_output(self, connector_output) -> None:

@@ -405,7 +405,7 @@ class TierCacheWorker:
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
             if self.writes_lower_tiers:
-                self.engine.write_down(op.block_hash, op.slot, self._after_write)
+                self.engine.write_down(op.block_hash, op.slot, self._after_write, group=op.req_id or None)
             else:
                 self._emit(RELEASED, op.slot)
 
@@ -417,7 +417,12 @@ class TierCacheWorker:
             self._emit(RELEASED, result.slot)
 
     # -- reporting ------------------------------------------------------------------
-    def get_finished(self) -> set[str]:
+    def get_finished(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """Loads done since the last call. `finished_req_ids`: requests vLLM finished,
+        whose partial S3 runs go now rather than when their flush timer says."""
+        if self.engine is not None:
+            for req_id in finished_req_ids:
+                self.engine.end_group(req_id)
         if self._idle_step:
             self._idle_step = False
             staging = [future for load in self._async for _, _, future in load.staged]
