@@ -14,8 +14,7 @@ from pydantic import SecretStr
 
 from tiercache.config import ConfigError, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import RedisIndex, RunRecord, blocks_key
-from tiercache.index import Deployment
+from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key
 from tiercache.leases import Leases, new_token
 from tiercache.run_packer import RunPacker
 from tiercache.s3_gc import run_gc
@@ -118,7 +117,9 @@ def test_packing_writes_one_object_per_run_of_blocks(engines):
     assert index.count(engine.shape.model_digest, engine.shape.rank_digest) == 20
     assert index.run_count(engine.shape.model_digest, engine.shape.rank_digest) == 3
     # Each run's blocks are consecutive blocks of the request, in order.
-    positions = [index.locate(engine.shape.model_digest, engine.shape.rank_digest, block(1, i)) for i in range(20)]
+    positions = [
+        index.locate(engine.shape.model_digest, engine.shape.rank_digest, block(1, i)) for i in range(20)
+    ]
     assert [p for _, p in positions] == [*range(8), *range(8), *range(4)]
 
 
@@ -166,7 +167,9 @@ def test_a_corrupt_block_fails_itself_and_later_ones_and_keeps_earlier_hits(engi
     name = engine.s3.run_name(rank, run.hex())
     body = bytearray(engine.s3.client.get_object(Bucket=engine.s3.bucket, Key=name)["Body"].read())
     k = 3
-    body[record.data_start + k * (record.frame_header + record.slot_bytes) + record.frame_header + 100] ^= 0xFF
+    body[record.data_start + k * (record.frame_header + record.slot_bytes) + record.frame_header + 100] ^= (
+        0xFF
+    )
     engine.s3.client.put_object(Bucket=engine.s3.bucket, Key=name, Body=bytes(body))
     assert load(engine, 6, 0, 8) == [True, True, True, False, False, False, False, False]
     # Only block k is unindexed: the run and its other blocks stay.
@@ -196,9 +199,7 @@ def test_gc_keeps_a_run_while_any_block_is_leased_and_deletes_it_after(engines, 
     token = new_token()
     where, records = leases.acquire_read_blocks(model, rank, [block(8, 2)], token)  # inside the first run
     leased_run = where[0][0]
-    config = engine.config.model_copy(
-        update={"s3": engine.config.s3.model_copy(update={"capacity": 1})}
-    )
+    config = engine.config.model_copy(update={"s3": engine.config.s3.model_copy(update={"capacity": 1})})
     report = run_gc(config, sweep_orphans=False, redis=engine.redis, s3=engine.s3)
     assert report["skipped_leased"] == 1 and report["evicted_objects"] == 1
     assert [run for _, run, _ in runs_in(engine)] == [leased_run.hex()]
@@ -251,9 +252,7 @@ def test_orphan_runs_are_swept_and_old_per_block_objects_reclaimed(engines):
     assert report["orphans"]["found"] == 0 and len(runs_in(engine)) == 1
     assert list(engine.s3.list_objects()) == []
     # The run's index gone: its object is an orphan, swept.
-    engine.index.drop_deployment(
-        Deployment(model, engine.config.namespace, "m", 1, (rank,), BLOCK + 4096)
-    )
+    engine.index.drop_deployment(Deployment(model, engine.config.namespace, "m", 1, (rank,), BLOCK + 4096))
     report = run_gc(engine.config, redis=engine.redis, s3=engine.s3, now=time.time() + 3600)
     assert report["orphans"]["deleted"] == 1 and runs_in(engine) == []
 
@@ -263,8 +262,8 @@ def test_redis_bytes_per_block_with_runs_of_sixteen(redis):
     model, rank = "a" * 16, "b" * 16
     rng = np.random.default_rng(3)
     blocks = 16_000
-    for start in range(0, blocks, 16):
-        hashes = tuple(rng.bytes(32) for _ in range(16))
+    for _ in range(blocks // 16):
+        hashes = tuple(rng.bytes(32) for _i in range(16))
         index.add_run(model, rank, rng.bytes(8), RunRecord(4096, 4096, 1 << 20, hashes))
     per_block = index.memory_usage(model, rank) / blocks
     print(f"Redis bytes per block, runs of 16: {per_block:.1f}")

@@ -157,9 +157,7 @@ class RunPacker(Generic[T]):
             runs.append(run)
         if runs:
             pending.started = self._clock() if pending.arrived else None
-        if pending.ending and pending.in_flight == 0 and not pending.arrived:
-            del self._groups[group]
-        elif everything and not pending.arrived and pending.in_flight == 0:
+        if (pending.ending or everything) and pending.in_flight == 0 and not pending.arrived:
             del self._groups[group]
         return runs
 
@@ -174,9 +172,8 @@ class RunPacker(Generic[T]):
                     if pending.started is not None and now - pending.started >= self.flush_seconds:
                         due += self._ready(group, pending, everything=True)
                 if not due:
-                    waits = [
-                        g.started + self.flush_seconds - now for g in self._groups.values() if g.started is not None
-                    ]
+                    starts = [g.started for g in self._groups.values() if g.started is not None]
+                    waits = [start + self.flush_seconds - now for start in starts]
                     self._lock.wait(max(0.001, min(waits)) if waits else None)
                     continue
             for run in due:

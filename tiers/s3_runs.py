@@ -258,3 +258,25 @@ def _read_into(stream, out: memoryview) -> None:
             raise CorruptObject(f"run truncated at {done} of {len(out)} bytes of a frame")
         out[done : done + len(chunk)] = chunk
         done += len(chunk)
+
+
+def check_run_bytes(data: bytes, integrity_key: bytes | None = None) -> RunHeader:
+    """A whole run object's bytes checked frame by frame (tools and tests): its table
+    of contents, or CorruptObject naming the first bad block."""
+    import io
+
+    toc = decode_run_header(data[_LEN.size : _LEN.size + header_length(data[: _LEN.size])])
+    geometry = toc.geometry
+    if len(data) != geometry.object_bytes(len(toc.block_hashes)):
+        raise CorruptObject(
+            f"run of {len(data)} bytes, its header says {geometry.object_bytes(len(toc.block_hashes))}"
+        )
+    stream = io.BytesIO(data[geometry.data_start :])
+    wants = [
+        FrameWant(i, f"{toc.namespace_digest}/{h.hex()}", memoryview(bytearray(geometry.slot_bytes)))
+        for i, h in enumerate(toc.block_hashes)
+    ]
+    for want, error in read_frames(stream, geometry, wants, None, integrity_key):
+        if error is not None:
+            raise CorruptObject(f"block {want.position} of run {toc.run_hex}: {error}")
+    return toc
