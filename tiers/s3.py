@@ -97,7 +97,9 @@ def _count_request(event_name: str = "", **_: Any) -> None:
 def count_requests(client: Any) -> None:
     """Count every HTTP request the client sends (each retry too: each is billed).
     botocore's "before-send" fires once per attempt; registering twice is harmless."""
-    client.meta.events.register("before-send.s3", _count_request, unique_id="tiercache-s3-requests")
+    events = getattr(getattr(client, "meta", None), "events", None)
+    if events is not None:  # a stand-in client (tests, tools) sends nothing to count
+        events.register("before-send.s3", _count_request, unique_id="tiercache-s3-requests")
 
 
 class S3Tier:
