@@ -253,8 +253,10 @@ class TierEngine:
         if upload is not None and self._packer is not None:
             self._packer.add(group, number, _Upload(result, data, *upload, on_done))
             return
-        if S3 in tiers and self._packer is not None:
-            self._packer.abandon(group, number)
+        if S3 in tiers:
+            result.stored.setdefault(S3, False)
+            if self._packer is not None:
+                self._packer.abandon(group, number)
         self._write_ended(result, tiers, on_done)
 
     def _ship_run(self, run: list[_Upload]) -> None:

@@ -58,6 +58,7 @@ from tiercache.index import REGISTRY, Deployment, RedisIndex, runs_key
 from tiercache.leases import Leases
 from tiercache.metrics import GC_SWEEPS_REFUSED
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.s3_legacy import sweep_legacy
 from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.s3 import S3Tier
 
@@ -337,7 +338,7 @@ def _sweep_orphans(
     force: bool = False,
 ) -> None:
     orphans = report["orphans"]
-    _sweep_legacy(redis, s3, cutoff, orphans)
+    sweep_legacy(redis, s3, cutoff, orphans, delete_objects)
     finder = _OrphanFinder(redis, deployments)
     # Count first, deleting nothing: whether the index can be trusted is known only
     # once the whole bucket has been compared with it.
@@ -354,26 +355,6 @@ def _sweep_orphans(
         deleted, failed = delete_objects(s3, [s3.run_name(rank, run) for rank, run in found])
         orphans["deleted"] += deleted
         orphans["delete_failed"] += failed
-
-
-def _sweep_legacy(redis: GuardedRedis, s3: S3Tier, cutoff: float, orphans: dict[str, Any]) -> None:
-    """Per-block objects and index of a tiercache before runs: nothing reads them now.
-    Objects go once past the grace period (counted apart, never refused: they say
-    nothing about whether the index was lost); the old index keys go at once."""
-    old = [
-        s3.object_name(key) for key, _size, modified in s3.list_objects() if modified.timestamp() <= cutoff
-    ]
-    deleted, failed = delete_objects(s3, old)
-    orphans["legacy_deleted"] = deleted
-    orphans["delete_failed"] += failed
-
-    def drop_old_index() -> int:
-        keys = list(redis.client.scan_iter(match="tc:{*}:idx:*", count=1000))
-        for key in keys:  # one key per call: they may lie in different cluster slots
-            redis.client.delete(key)
-        return len(keys)
-
-    orphans["legacy_index_keys_deleted"] = redis.call("scan", drop_old_index)
 
 
 def _index_looks_lost(unindexed: int, old: int) -> bool:

@@ -134,6 +134,7 @@ class S3Tier:
         try:
             with timed(TIER, "put", len(data)):
                 self.client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body)
+            S3_BYTES.labels("up").inc(len(body))
             return True
         except (BotoCoreError, ClientError) as error:
             TIER_ERRORS.labels(TIER, _kind(error)).inc()
@@ -163,6 +164,7 @@ class S3Tier:
                 finally:
                     stream.close()
                 verify(header, out, self.integrity_key)
+            S3_BYTES.labels("down").inc(len(out))
             return Fetch.OK
         except ClientError as error:
             if _code(error) in _MISSING:
