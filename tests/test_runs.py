@@ -311,3 +311,19 @@ def test_the_packer_ships_consecutive_runs_ended_groups_and_late_ones():
         assert packer.waiting == 0
     finally:
         packer.close()
+
+
+def test_a_long_stretch_of_large_blocks_goes_as_parallel_ranged_gets(engines, monkeypatch):
+    import tiercache.s3_reader as s3_reader
+
+    engine = engines(pack=16)
+    store(engine, 12, 16)
+    frame = engine.index.run_record(
+        engine.shape.model_digest,
+        engine.shape.rank_digest,
+        engine.index.locate(engine.shape.model_digest, engine.shape.rank_digest, block(12, 0))[0],
+    )
+    monkeypatch.setattr(s3_reader, "PART_BYTES", 5 * (frame.frame_header + frame.slot_bytes))
+    gets = requests("get")
+    assert load(engine, 12, 0, 16) == [True] * 16
+    assert requests("get") - gets == 4  # 5 + 5 + 5 + 1 frames

@@ -49,7 +49,12 @@ def _measure(
         {
             "redis_url": redis_url,
             "cpu": {"capacity": blocks_per_prompt * block_bytes},
-            "movers": {"upload_process": False, "queue_depth": 4 * blocks_per_prompt},
+            # Every slot may wait for S3: a prompt's blocks are all in flight at once.
+            "movers": {
+                "upload_process": False,
+                "queue_depth": 4 * blocks_per_prompt,
+                "upload_slot_share": 1.0,
+            },
             "s3": {
                 "bucket": bucket,
                 "prefix": "bench-requests/",
@@ -68,14 +73,20 @@ def _measure(
     outs = [memoryview(bytearray(block_bytes)) for _ in range(blocks_per_prompt)]
     try:
         puts = requests_sent("put")
+        written: list[Any] = []
         for prompt in range(prompts):
             hashes = _hashes(prompt, blocks_per_prompt, seed)
             for i, block_hash in enumerate(hashes):
                 buffer.view(i)[:] = payload[i].tobytes()
-                engine.write_down(block_hash, i, lambda _: None, tiers=(S3,), group=prompt)
+                engine.write_down(block_hash, i, written.append, tiers=(S3,), group=prompt)
             engine.end_group(prompt)
             if not engine.flush(120):
                 raise RuntimeError("S3 uploads did not finish")
+        if (
+            not all(result.stored.get(S3) for result in written)
+            or len(written) != prompts * blocks_per_prompt
+        ):
+            raise RuntimeError("an S3 store was dropped")
         puts = requests_sent("put") - puts
         loaded = blocks_per_prompt - 1
         gets = requests_sent("get")
