@@ -100,6 +100,8 @@ def _measure(
                 raise RuntimeError("an S3 hit was lost")
         gets = requests_sent("get") - gets
         index = engine.index
+        if index is None:
+            raise RuntimeError("the S3 tier needs redis_url")
         model, rank = shape.model_digest, shape.rank_digest
         redis_bytes = index.memory_usage(model, rank) / max(1, index.count(model, rank))
         figures = RequestFigures(

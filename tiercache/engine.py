@@ -138,9 +138,10 @@ class TierEngine:
             self.s3_reader = S3Reader(self.s3, self.leases, self.index, shape)
         # Blocks bound for S3 gather into runs (one object, one PUT each) per request.
         self._packer: RunPacker[_Upload] | None = None
-        if self.s3_writer is not None:
+        if self.s3_writer is not None and self.s3 is not None:
+            packing = self.s3.config  # the tier's own settings (a tier may be passed in)
             self._packer = RunPacker(
-                config.s3.run_blocks(shape.slot_bytes), config.s3.pack_flush_seconds, self._ship_run
+                packing.run_blocks(shape.slot_bytes), packing.pack_flush_seconds, self._ship_run
             )
         movers = config.movers
         # Write-down is background work: off the model's cores, at a lower priority.
@@ -272,8 +273,10 @@ class TierEngine:
             if self.uploads is not None:
                 blocks = [(u.result.block_hash, u.result.slot, u.data, u.header) for u in run]
                 stored = self.uploads.upload_run(blocks)
-            else:
+            elif self.s3_writer is not None:
                 stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
+            else:
+                stored = [False] * len(run)
             for item, ok in zip(run, stored, strict=True):
                 item.result.stored[S3] = ok
         except Exception:  # an uploader must survive anything a tier throws
