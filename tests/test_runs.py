@@ -299,9 +299,20 @@ def test_the_packer_ships_consecutive_runs_ended_groups_and_late_ones():
         assert shipped[-1] == [13, 14]
         packer.abandon("b", first)
         assert shipped[-1] == [21]
-        # A request that never ends ships on the timer.
+        # Blocks still in the movers' queue hold the flush clock: no split run.
+        packer.add("d", packer.expect("d"), 40)
+        late = packer.expect("d")
+        now[0] = 0.9
+        with packer._lock:
+            packer._lock.notify()
+        time.sleep(0.2)
+        assert shipped[-1] == [21]
+        packer.add("d", late, 41)
+        packer.end_group("d")
+        assert shipped[-1] == [40, 41]
+        # A request that never ends ships on the timer once nothing is in flight.
         packer.add("c", packer.expect("c"), 30)
-        now[0] = 1.0
+        now[0] = 2.0
         with packer._lock:
             packer._lock.notify()
         deadline = time.monotonic() + 5

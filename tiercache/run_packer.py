@@ -6,9 +6,10 @@ movers write each block to disk first, in parallel, so blocks arrive (`add`) lat
 and out of order; a run is always a stretch of consecutive numbers, so it follows
 its request's prefix. A group ships a run when its next `max_blocks` blocks have
 all arrived; when the request has ended (`end_group`) and nothing of it is still in
-flight; when its oldest waiting block has waited `flush_seconds` (a request that
-stops storing mid-prompt, or blocks written outside any request); or when the owner
-flushes. A block stored alone ships as a run of one."""
+flight; when it has had nothing in flight for `flush_seconds` (a request that stops
+storing mid-prompt, or blocks written outside any request: blocks still in the
+movers' queue are on their way, so waiting for them does not start the clock); or
+when the owner flushes. A block stored alone ships as a run of one."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class _Group(Generic[T]):
     next_number: int = 0  # the number the next queued block gets
     next_ship: int = 0  # the first number not yet shipped or given up
     gone: set[int] = field(default_factory=set)  # numbers that will never arrive
-    started: float | None = None  # when its oldest waiting block arrived
+    started: float | None = None  # since when blocks wait with nothing in flight
     ending: bool = False  # its request ended: ship once nothing is in flight
     in_flight: int = 0  # queued and neither arrived nor abandoned yet
 
@@ -60,6 +61,7 @@ class RunPacker(Generic[T]):
             pending = self._groups.setdefault(group, _Group())
             pending.next_number += 1
             pending.in_flight += 1
+            pending.started = None  # more is on its way: the flush clock waits for it
             return pending.next_number - 1
 
     def add(self, group: Hashable, number: int, item: T) -> None:
@@ -68,9 +70,7 @@ class RunPacker(Generic[T]):
             pending = self._groups.setdefault(group, _Group())
             pending.arrived[number] = item
             pending.in_flight = max(0, pending.in_flight - 1)
-            if pending.started is None:
-                pending.started = self._clock()
-                self._lock.notify()
+            self._idle_since_now(pending)
             # Runs of one need no order: each ships as it comes.
             runs = self._ready(group, pending, everything=self._closed or self.max_blocks == 1)
         for run in runs:
@@ -84,6 +84,7 @@ class RunPacker(Generic[T]):
                 return
             pending.gone.add(number)
             pending.in_flight = max(0, pending.in_flight - 1)
+            self._idle_since_now(pending)
             runs = self._ready(group, pending)
         for run in runs:
             self._ship(run)
@@ -130,6 +131,12 @@ class RunPacker(Generic[T]):
         self.flush()
 
     # -- under the lock ------------------------------------------------------------
+    def _idle_since_now(self, pending: _Group[T]) -> None:
+        """Start the group's flush clock once its last block in flight has arrived."""
+        if pending.in_flight == 0 and pending.arrived and pending.started is None:
+            pending.started = self._clock()
+            self._lock.notify()
+
     def _ready(self, group: Hashable, pending: _Group[T], everything: bool = False) -> list[list[T]]:
         """Take the runs that may ship: stretches of consecutive numbers from next_ship,
         full ones always, the rest when the group ended with nothing in flight (or
@@ -156,7 +163,8 @@ class RunPacker(Generic[T]):
             pending.next_ship = number
             runs.append(run)
         if runs:
-            pending.started = self._clock() if pending.arrived else None
+            pending.started = None
+            self._idle_since_now(pending)
         if (pending.ending or everything) and pending.in_flight == 0 and not pending.arrived:
             del self._groups[group]
         return runs
