@@ -31,6 +31,9 @@ class TierCacheMetadata(KVConnectorMetadata):
     write_backs: list[tuple[bytes, int]] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockOp] = field(default_factory=list)
+    # Requests whose last block to store is in this step's stores: their partial S3
+    # runs ship once those blocks are written (tiercache/run_packer.py).
+    stores_done: list[str] = field(default_factory=list)
     # No request computes this step: vLLM is only polling for loads in flight.
     idle: bool = False
     # Tokens this step computes, set only when some of them are prompt tokens: the

@@ -393,7 +393,10 @@ class TierCacheWorker:
             self._forward_timer.end()
         self._end_of_forward()
         saving, self._saving = self._saving, None
-        if self.engine is None or not meta.stores:
+        if self.engine is None:
+            return
+        if not meta.stores:
+            self._end_groups(meta)
             return
         self._begin_step(meta)
         ops = meta.stores
@@ -408,6 +411,12 @@ class TierCacheWorker:
                 self.engine.write_down(op.block_hash, op.slot, self._after_write, group=op.req_id or None)
             else:
                 self._emit(RELEASED, op.slot)
+        self._end_groups(meta)
+
+    def _end_groups(self, meta: TierCacheMetadata) -> None:
+        """Requests whose stores are all queued now: their partial S3 runs may ship."""
+        for req_id in meta.stores_done:
+            self.engine.end_group(req_id)
 
     def _after_write(self, result: WriteResult) -> None:
         """Runs on a mover thread when a block's write-down ended, stored or not."""
