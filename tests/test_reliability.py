@@ -223,9 +223,12 @@ def killed(world, reference):
         world.proxy.delay = 0.0
     files = list(world.disk.rglob("*"))
     found["tmp_files"] = [p for p in files if p.name.startswith(".tmp-")]
-    found["disk_objects"] = {p: object_ok(p.read_bytes()) for p in files if p.name.endswith(".safetensors")}
-    objects = world.s3_objects()
-    found["s3_objects"] = {name: object_ok(data) for name, data in objects.items()}
+    # Temp files (a write the kill cut short) are never read as objects: the disk tier
+    # clears a dead process's at its next start. Every object must be whole.
+    objects = [p for p in files if p.name.endswith(".safetensors") and not p.name.startswith(".tmp-")]
+    found["disk_objects"] = {p: object_ok(p.read_bytes()) for p in objects}
+    s3_objects = world.s3_objects()
+    found["s3_objects"] = {name: object_ok(data) for name, data in s3_objects.items()}
     found["index"] = set(world.indexed_objects())
     direct = {**world.config()["s3"], "endpoint_url": world.s3_url}
     config = build_config({**world.config(), "s3": direct}, environ={})
