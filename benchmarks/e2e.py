@@ -456,7 +456,7 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
     import redis as redis_lib
 
     from tiercache.config import RedisConfig
-    from tiercache.index import RedisIndex, index_key
+    from tiercache.index import RedisIndex, index_keys, location
     from tiercache.redis_conn import GuardedRedis
     from tiercache.testing.servers import RedisServer
 
@@ -466,23 +466,32 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
         index = RedisIndex(guarded)
         raw = redis_lib.Redis(port=server.port)
         model, rank = "a" * 16, "b" * 16
-        key = index_key(model, rank)
+        key, runs, _ = index_keys(model, rank)  # the block HASH; lookups touch the runs ZSET
         rng = random.Random(0)
         samples = args.lookup_samples
 
         def fill(total: int) -> None:
-            have = raw.zcard(key)
+            have = raw.hlen(key)
             pipe = raw.pipeline(transaction=False)
-            for i in range(have, total):
-                pipe.zadd(key, {rng.randbytes(32): float(i)})
+            for i in range(have, total):  # runs of 16 blocks, as tiercache writes them
+                run = (i // 16).to_bytes(8, "big")
+                pipe.hset(key, rng.randbytes(32), location(run, i % 16))
+                if i % 16 == 0:
+                    pipe.zadd(runs, {run: float(i)})
                 if (i + 1) % 10_000 == 0:
                     pipe.execute()
             pipe.execute()
 
         def prompt_hashes(blocks: int) -> list[bytes]:
             hashes = [rng.randbytes(32) for _ in range(blocks)]
-            raw.zadd(key, {h: 0.0 for h in hashes})
+            add(hashes)
             return hashes
+
+        def add(hashes: list[bytes]) -> None:
+            for start in range(0, len(hashes), 16):
+                run = rng.randbytes(8)
+                raw.hset(key, mapping={h: location(run, i) for i, h in enumerate(hashes[start : start + 16])})
+                raw.zadd(runs, {run: 0.0})
 
         def timed(fn, n: int) -> list[float]:
             fn()  # warm-up (script load)
@@ -517,20 +526,20 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
                 "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
                 "x_ping": median(times) * 1e6 / result["ping_us"],
                 "commands_per_lookup": delta,
-                "index_size": raw.zcard(key),
+                "index_size": raw.hlen(key),
             }
             print("lookup", blocks, "blocks:", result["by_prompt"][blocks], flush=True)
         hashes = prompt_hashes(256)
         for size in (1_000, 10_000, 100_000, 1_000_000):
-            raw.delete(key)
-            raw.zadd(key, {h: 0.0 for h in hashes})
+            raw.delete(key, runs)
+            add(hashes)
             fill(size)
             times = timed(lambda: index.longest_prefix(model, [rank], hashes), samples)
             result["by_index"][size] = {
                 "median_us": median(times) * 1e6,
                 "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
                 "x_ping": median(times) * 1e6 / result["ping_us"],
-                "memory_bytes": raw.memory_usage(key),
+                "memory_bytes": raw.memory_usage(key, samples=0) + raw.memory_usage(runs, samples=0),
             }
             print("index size", size, result["by_index"][size], flush=True)
         result["ping_us_end"] = ping_us()

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                     report = run_gc(config, grace_seconds=30)
                     stats["gc_passes"] += 1
                     stats["gc_errors"] += len(report["errors"])
-                    count = sum(1 for _ in cache.engine.s3.list_objects())
+                    count = sum(1 for _ in cache.engine.s3.list_runs())
                     stats["max_s3_objects_after_gc"] = max(stats["max_s3_objects_after_gc"], count)
                     if report["used_bytes_after"] is not None:
                         stats["max_s3_used_bytes_after_gc"] = max(

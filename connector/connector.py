@@ -195,7 +195,7 @@ class TierCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        return None, self.worker.get_finished() or None
+        return None, self.worker.get_finished(finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()

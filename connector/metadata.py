@@ -15,6 +15,7 @@ class BlockOp:
     gpu_block: int
     slot: int
     tier: str  # where the bytes are now: "cpu", "disk", "s3"; "" = lost, fail the block
+    req_id: str = ""  # a store's request: its blocks share S3 runs (tiercache/run_packer.py)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class TierCacheMetadata(KVConnectorMetadata):
     write_backs: list[tuple[bytes, int]] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockOp] = field(default_factory=list)
+    # Requests whose last block to store is in this step's stores: their partial S3
+    # runs ship once those blocks are written (tiercache/run_packer.py).
+    stores_done: list[str] = field(default_factory=list)
     # No request computes this step: vLLM is only polling for loads in flight.
     idle: bool = False
     # Tokens this step computes, set only when some of them are prompt tokens: the

@@ -447,8 +447,13 @@ class TierCacheScheduler:
                 self.stats["store_dropped"] += 1
                 break
             self._name(block_hash, request.block_hashes[i])
-            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU))
+            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU, req_id))
+        planned = limit > state.next_block
         state.next_block = max(state.next_block, limit)
+        if planned and not self.config.store_decode and limit >= request.num_prompt_tokens // self.block_size:
+            # The prompt's last full block is stored now: nothing more of this request
+            # will come, so its S3 run need not wait for the request to finish.
+            meta.stores_done.append(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta

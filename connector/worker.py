@@ -422,7 +422,10 @@ class TierCacheWorker:
             self._forward_timer.end()
         self._end_of_forward()
         saving, self._saving = self._saving, None
-        if self.engine is None or not meta.stores:
+        if self.engine is None:
+            return
+        if not meta.stores:
+            self._end_groups(meta)
             return
         self._begin_step(meta)
         ops = meta.stores
@@ -435,9 +438,15 @@ class TierCacheWorker:
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
             if self.writes_lower_tiers:
-                self.engine.write_down(op.block_hash, op.slot, self._after_write)
+                self.engine.write_down(op.block_hash, op.slot, self._after_write, group=op.req_id or None)
             else:
                 self._emit(RELEASED, op.slot)
+        self._end_groups(meta)
+
+    def _end_groups(self, meta: TierCacheMetadata) -> None:
+        """Requests whose stores are all queued now: their partial S3 runs may ship."""
+        for req_id in meta.stores_done:
+            self.engine.end_group(req_id)
 
     def _after_write(self, result: WriteResult) -> None:
         """Runs on a mover thread when a block's write-down ended, stored or not."""
@@ -447,9 +456,13 @@ class TierCacheWorker:
             self._emit(RELEASED, result.slot)
 
     # -- reporting ------------------------------------------------------------------
-    def get_finished(self) -> set[str]:
+    def get_finished(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """Loads done since the last call. `finished_req_ids`: requests vLLM finished,
+        whose partial S3 runs go now rather than when their flush timer says."""
         if self.engine is not None:
             self.engine.foreground.release()  # every step ends here, with a forward or not
+            for req_id in finished_req_ids:
+                self.engine.end_group(req_id)
         if self._idle_step:
             self._idle_step = False
             staging = [future for load in self._async for _, _, future in load.staged]

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import pytest
 import redis as redis_py
 
-from tiercache.index import REGISTRY, Deployment, index_key
+from tiercache.index import REGISTRY, Deployment, blocks_key
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import RedisServer, create_bucket
 from tiercache.testing.vllm_runner import assert_same_output, connector_config
@@ -137,7 +137,7 @@ def wait_indexed(r, count: int, timeout: float = 120) -> None:
         deployments = [Deployment.from_json(v) for v in raw.values()]
         if deployments:
             dep = deployments[0]
-            if r.zcard(index_key(dep.model_digest, dep.rank_digests[0])) >= count:
+            if r.hlen(blocks_key(dep.model_digest, dep.rank_digests[0])) >= count:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"fewer than {count} objects indexed after {timeout}s")

@@ -79,7 +79,19 @@ def stack(tmp_path, redis_url, s3_endpoint, bucket):
 
 
 def s3_keys(cache: LocalTierCache) -> set[str]:
-    return {key for key, _, _ in cache.engine.s3.list_objects(cache.shape.rank_digest)}
+    """The keys of the blocks the rank's S3 run objects hold."""
+    s3, rank = cache.engine.s3, cache.shape.rank_digest
+    return {
+        f"{rank}/{h.hex()}"
+        for _, run, _, _ in s3.list_runs(rank)
+        for h in s3.read_run_header(rank, run).block_hashes
+    }
+
+
+def run_name_of(cache: LocalTierCache, i: int) -> str:
+    """The S3 name of the run object the index says holds block(i)."""
+    run, _ = cache.engine.index.locate(cache.shape.model_digest, cache.shape.rank_digest, block(i))
+    return cache.engine.s3.run_name(cache.shape.rank_digest, run.hex())
 
 
 def indexed(cache: LocalTierCache) -> int:
@@ -184,8 +196,8 @@ def test_backpressure_drops_without_blocking(tmp_path, stack):
 def test_cpu_tier_full_of_transfers_drops_the_store(stack):
     cache = stack(slots=2, movers={"workers": 1})
     gate = threading.Event()
-    upload = cache.engine.s3.put
-    cache.engine.s3.put = lambda *args: gate.wait(60) and upload(*args)
+    upload = cache.engine.s3.put_run
+    cache.engine.s3.put_run = lambda *args: gate.wait(60) and upload(*args)
     dropped = metric("tiercache_mover_dropped_total", {"tier": "cpu"})
     try:
         assert cache.put(block(0), data(0)) is not None
@@ -200,28 +212,25 @@ def test_cpu_tier_full_of_transfers_drops_the_store(stack):
 
 def test_close_flushes_queued_writes(stack):
     cache = stack(slots=16, movers={"workers": 2, "queue_depth": 64})
-    upload = cache.engine.s3.put
+    upload = cache.engine.s3.put_run
 
     def slowish_put(*args):
         threading.Event().wait(0.05)
         return upload(*args)
 
-    cache.engine.s3.put = slowish_put
+    cache.engine.s3.put_run = slowish_put
     for i in range(8):
         assert cache.put(block(i), data(i)) is not None
-    s3 = cache.engine.s3
     cache.close()
-    assert {key for key, _, _ in s3.list_objects(cache.shape.rank_digest)} == {
-        cache.shape.key(block(i)) for i in range(8)
-    }
+    assert s3_keys(cache) == {cache.shape.key(block(i)) for i in range(8)}
     assert len(cache.engine.disk) == 8
 
 
 def test_close_gives_up_after_the_flush_bound(stack):
     cache = stack(slots=4, movers={"workers": 1, "shutdown_flush_seconds": 0.2})
     gate = threading.Event()
-    upload = cache.engine.s3.put
-    cache.engine.s3.put = lambda *args: gate.wait(60) and upload(*args)
+    upload = cache.engine.s3.put_run
+    cache.engine.s3.put_run = lambda *args: gate.wait(60) and upload(*args)
     try:
         for i in range(3):
             assert cache.put(block(i), data(i)) is not None
@@ -307,13 +316,14 @@ def test_corrupt_s3_object_is_unindexed(stack):
     put_flushed(cache, 0)
     put_flushed(cache, 1)
     s3 = cache.engine.s3
-    name = s3.object_name(cache.shape.key(block(0)))
+    name = run_name_of(cache, 0)
     size = s3.client.head_object(Bucket=s3.bucket, Key=name)["ContentLength"]
     s3.client.put_object(Bucket=s3.bucket, Key=name, Body=np.random.default_rng(0).bytes(size))
     assert indexed(cache) == 2
     assert got(cache, 0) is None
     assert indexed(cache) == 1  # the entry is gone: no one else asks for it
-    assert not s3.exists(cache.shape.key(block(0)))
+    # The run object itself stays for GC: in a run of many, its other blocks may be good.
+    assert got(cache, 1) is not None
 
 
 def test_redis_down_local_tiers_keep_working(tmp_path, redis_server, s3_endpoint, bucket):
@@ -340,7 +350,7 @@ def test_redis_down_local_tiers_keep_working(tmp_path, redis_server, s3_endpoint
         assert got(cache, 3) == CPU
         assert got(cache, 1) == DISK
         assert got(cache, 50) is None  # the shared tier is a miss, not an error
-        assert not cache.engine.s3.exists(cache.shape.key(block(3)))
+        assert cache.shape.key(block(3)) not in s3_keys(cache)
 
         redis_server.start()
         guarded = cache.engine.redis
@@ -352,7 +362,7 @@ def test_redis_down_local_tiers_keep_working(tmp_path, redis_server, s3_endpoint
             except RedisUnavailable:
                 time.sleep(0.05)
         put_flushed(cache, 5)
-        assert cache.engine.s3.exists(cache.shape.key(block(5)))
+        assert cache.shape.key(block(5)) in s3_keys(cache)
         assert (
             RedisIndex(GuardedRedis(redis_server.url, config.redis)).count(
                 cache.shape.model_digest, cache.shape.rank_digest
@@ -450,7 +460,7 @@ def test_a_transient_s3_failure_is_a_miss_that_keeps_the_index_entry(fault, tmp_
     put_flushed(writer, 0)
     assert indexed(writer) == 1
     s3 = writer.engine.s3
-    name = s3.object_name(writer.shape.key(block(0)))
+    name = run_name_of(writer, 0)
     whole = s3.client.get_object(Bucket=s3.bucket, Key=name)["Body"].read()
     answers = {
         "503 SlowDown": s3_error("503 Slow Down", "SlowDown"),
@@ -477,7 +487,7 @@ def test_a_missing_s3_object_is_unindexed(stack):
     cache = stack(disk=None, slots=1)
     put_flushed(cache, 0)
     s3 = cache.engine.s3
-    s3.client.delete_object(Bucket=s3.bucket, Key=s3.object_name(cache.shape.key(block(0))))
+    s3.client.delete_object(Bucket=s3.bucket, Key=run_name_of(cache, 0))
     out = memoryview(bytearray(BLOCK))
     assert not cache.engine.read_into(block(0), out, S3)
     assert indexed(cache) == 0  # NoSuchKey: the entry named nothing

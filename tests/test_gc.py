@@ -4,15 +4,18 @@ moto's S3 server, with objects written by the tier engine."""
 from __future__ import annotations
 
 import functools
+import os
 import time
 import uuid
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import Deployment, RedisIndex, index_key
+from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, parse_location, runs_key
 from tiercache.leases import Leases, new_token
 from tiercache.s3_gc import flush_namespace, run_gc
+from tiercache.tiers.format import CorruptObject
 from tiercache.tiers.s3 import S3Tier, make_client
+from tiercache.tiers.s3_runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
@@ -23,7 +26,15 @@ def make_config(redis_url, s3_endpoint, bucket, *, namespace="ns1", capacity=Non
         "namespace": namespace,
         "redis_url": redis_url,
         "cpu": {"capacity": 64 * SLOT},
-        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1", "prefix": prefix},
+        # Runs of one block: these tests are about objects, one per block here
+        # (tests/test_runs.py has GC over runs of many).
+        "s3": {
+            "bucket": bucket,
+            "endpoint_url": s3_endpoint,
+            "region": "us-east-1",
+            "prefix": prefix,
+            "pack_blocks": 1,
+        },
     }
     if capacity is not None:
         data["s3"]["capacity"] = capacity
@@ -73,23 +84,49 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama") -> Deploy
 
 
 def set_ages(redis, deployment, hashes, start=1000.0):
-    """Give `hashes` last-access scores in order, oldest first, on every rank."""
+    """Give the runs holding `hashes` last-access scores in order, oldest first, on every rank."""
     for rank in deployment.rank_digests:
-        key = index_key(deployment.model_digest, rank)
-        redis.client.zadd(key, {h: start + i for i, h in enumerate(hashes)}, xx=True)
+        locs = redis.client.hmget(blocks_key(deployment.model_digest, rank), hashes)
+        runs = {parse_location(loc)[0]: start + i for i, loc in enumerate(locs)}
+        redis.client.zadd(runs_key(deployment.model_digest, rank), runs, xx=True)
 
 
 def s3_keys(config) -> set[str]:
+    """The blocks the bucket's run objects hold, as "<rank>/<block hex>" (a run whose
+    header cannot be read: "<rank>/corrupt-<run>")."""
     s3 = s3_tier(config)
     try:
-        return {key for key, _, _ in s3.list_objects()}
+        keys = set()
+        for rank, run, _, _ in s3.list_runs():
+            try:
+                keys |= {f"{rank}/{h.hex()}" for h in s3.read_run_header(rank, run).block_hashes}
+            except CorruptObject:
+                keys.add(f"{rank}/corrupt-{run}")
+        return keys
+    finally:
+        s3.close()
+
+
+def put_run_object(config, shape, hashes) -> str:
+    """Write a run object of these blocks without indexing it (an orphan); its run hex."""
+    s3 = s3_tier(config)
+    try:
+        run = os.urandom(8).hex()
+        frames = []
+        for h in hashes:
+            data = memoryview(h * (SLOT // len(h)))
+            frames.append((shape.header(h, data), data))
+        geometry = RunGeometry(0, frame_header_bytes([f[0] for f in frames]), SLOT)
+        toc = RunHeader(run, shape.rank_digest, tuple(hashes), geometry)
+        assert s3.put_run(shape.rank_digest, run, run_parts(toc, frames))
+        return run
     finally:
         s3.close()
 
 
 def indexed(redis, deployment, rank=None) -> set[bytes]:
     rank = rank or deployment.rank_digests[0]
-    return set(redis.client.zrange(index_key(deployment.model_digest, rank), 0, -1))
+    return set(redis.client.hkeys(blocks_key(deployment.model_digest, rank)))
 
 
 def key_of(deployment, h, rank=None):
@@ -189,11 +226,12 @@ class OrderCheckingS3(S3Tier):
         self.deployment = deployment
         self.deleted: list[tuple[str, bool]] = []
 
-    def delete(self, key: str) -> bool:
-        rank, block = key.split("/")
-        score = self.redis.client.zscore(index_key(self.deployment.model_digest, rank), bytes.fromhex(block))
-        self.deleted.append((key, score is not None))
-        return super().delete(key)
+    def delete_run(self, rank_digest: str, run_hex: str) -> bool:
+        key = blocks_key(self.deployment.model_digest, rank_digest)
+        locs = self.redis.client.hvals(key)
+        still = any(parse_location(loc)[0].hex() == run_hex for loc in locs)
+        self.deleted.append((run_hex, still))
+        return super().delete_run(rank_digest, run_hex)
 
 
 def test_gc_removes_the_index_entry_before_the_object(redis, redis_url, s3_endpoint, bucket):
@@ -216,26 +254,16 @@ def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, s3_endpo
     dep = store(config, hashes)
     # Orphans: an upload whose index write never happened, and one of an unknown deployment.
     orphan_blocks = blocks(2)
-    s3 = s3_tier(config)
     shape = ObjectShape(dep.model_digest, dep.rank_digests[0], SLOT)
     stranger = ObjectShape(digest(), digest(), SLOT)
-    try:
-        for h in orphan_blocks:
-            data = memoryview(h * (SLOT // len(h)))
-            assert s3.put(shape.key(h), data, shape.header(h, data))
-        data = memoryview(bytes(SLOT))
-        assert s3.put(stranger.key(hashes[0]), data, stranger.header(hashes[0], data))
-    finally:
-        s3.close()
+    for h in orphan_blocks:
+        put_run_object(config, shape, [h])
+    put_run_object(config, stranger, [hashes[0]])
     # An index of an unregistered deployment still protects its objects.
     unregistered = ObjectShape(digest(), digest(), SLOT)
-    redis.client.zadd(index_key(unregistered.model_digest, unregistered.rank_digest), {hashes[1]: 1.0})
-    s3 = s3_tier(config)
-    try:
-        data = memoryview(bytes(SLOT))
-        assert s3.put(unregistered.key(hashes[1]), data, unregistered.header(hashes[1], data))
-    finally:
-        s3.close()
+    run = put_run_object(config, unregistered, [hashes[1]])
+    record = RunRecord(0, 0, 0, (hashes[1],))
+    RedisIndex(redis).add_run(unregistered.model_digest, unregistered.rank_digest, bytes.fromhex(run), record)
     assert len(s3_keys(config)) == 7
 
     fresh = run_gc(config)  # everything was written just now: inside the grace period
@@ -251,12 +279,7 @@ def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, s3_endpo
     assert left == {key_of(dep, h) for h in hashes} | {unregistered.key(hashes[1])}
 
     # --no-sweep leaves orphans alone.
-    s3 = s3_tier(config)
-    try:
-        data = memoryview(bytes(SLOT))
-        assert s3.put(stranger.key(hashes[2]), data, stranger.header(hashes[2], data))
-    finally:
-        s3.close()
+    put_run_object(config, stranger, [hashes[2]])
     skipped = run_gc(config, sweep_orphans=False, now=time.time() + 3600)
     assert skipped["orphans"]["scanned"] == 0
     assert stranger.key(hashes[2]) in s3_keys(config)
@@ -267,12 +290,7 @@ def test_orphan_sweep_respects_the_prefix(redis, redis_url, s3_endpoint, bucket)
     outsider = make_config(redis_url, s3_endpoint, bucket, prefix="tenant-b/")
     shape = ObjectShape(digest(), digest(), SLOT)
     h = blocks(1)[0]
-    s3 = s3_tier(outsider)
-    try:
-        data = memoryview(bytes(SLOT))
-        assert s3.put(shape.key(h), data, shape.header(h, data))
-    finally:
-        s3.close()
+    put_run_object(outsider, shape, [h])
     report = run_gc(config, now=time.time() + 3600)
     assert report["orphans"]["scanned"] == 0
     assert s3_keys(outsider) == {shape.key(h)}
@@ -340,12 +358,7 @@ def refusals() -> float:
 
 
 def put_orphan(config, shape, h) -> None:
-    s3 = s3_tier(config)
-    try:
-        data = memoryview(h * (SLOT // len(h)))
-        assert s3.put(shape.key(h), data, shape.header(h, data))
-    finally:
-        s3.close()
+    put_run_object(config, shape, [h])
 
 
 def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
@@ -360,8 +373,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
     # A corrupt object of the deployment and one of a deployment nobody registered.
     s3 = s3_tier(config)
     try:
-        bad = blocks(1)[0]
-        name = s3.object_name(key_of(dep, bad))
+        name = s3.run_name(dep.rank_digests[0], os.urandom(8).hex())
         s3.client.put_object(Bucket=s3.bucket, Key=name, Body=b"\x00" * OBJECT)
     finally:
         s3.close()

@@ -3,6 +3,7 @@ lookup, isolation, exactly one uploader of N, GC against read leases, and outage
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ from prometheus_client import REGISTRY
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
 from tiercache.index import REGISTRY as REGISTRY_KEY
-from tiercache.index import Deployment, RedisIndex, index_key
+from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, index_keys, runs_key
 from tiercache.keys import KVSpec
 from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
@@ -64,10 +65,14 @@ def guarded(redis_url):
     client.close()
 
 
-def add_all(index: RedisIndex, model: str, rank: str, blocks: list[bytes]) -> None:
+def add_all(
+    index: RedisIndex, model: str, rank: str, blocks: list[bytes], when: float | None = None
+) -> bytes:
+    """Index `blocks` as one run; its run id."""
+    run_id = os.urandom(8)
     if blocks:
-        key = index_key(model, rank)
-        index.redis.client.zadd(key, dict.fromkeys(blocks, time.time()))
+        index.add_run(model, rank, run_id, RunRecord(0, 0, 0, tuple(blocks)), when=when)
+    return run_id
 
 
 # -- lookups ------------------------------------------------------------------------------
@@ -113,7 +118,7 @@ def test_one_round_trip_seen_by_the_server(redis_server):
     assert stats["cmdstat_evalsha"]["calls"] == 1
     assert "cmdstat_eval" not in stats and "cmdstat_script|load" not in stats
     # Server side, the script asked each rank's index once per chunk of members.
-    assert stats["cmdstat_zmscore"]["calls"] == 2
+    assert stats["cmdstat_hmget"]["calls"] == 2
     guarded.close()
 
 
@@ -152,16 +157,16 @@ def test_lookup_touches_only_what_it_found(guarded):
     index = RedisIndex(guarded)
     model, rank = digest(), digest()
     blocks = hashes(6)
-    key = index_key(model, rank)
-    guarded.client.zadd(key, dict.fromkeys(blocks[:3], 1.0))
-    guarded.client.zadd(key, {blocks[4]: 1.0})
+    key = runs_key(model, rank)
+    found = add_all(index, model, rank, blocks[:3], when=1.0)
+    past_gap = add_all(index, model, rank, [blocks[4]], when=1.0)
     assert index.longest_prefix(model, [rank], blocks, touch=False) == 3
-    assert {guarded.client.zscore(key, b) for b in blocks[:3]} == {1.0}
+    assert guarded.client.zscore(key, found) == 1.0
     assert index.longest_prefix(model, [rank], blocks) == 3
-    assert all(guarded.client.zscore(key, b) > 1e9 for b in blocks[:3])  # now: a wall-clock time
-    assert guarded.client.zscore(key, blocks[4]) == 1.0  # past the gap: untouched
-    assert guarded.client.zscore(key, blocks[3]) is None  # touch never adds a member
-    assert [member for member, _ in index.oldest(model, rank, 1)] == [blocks[4]]
+    assert guarded.client.zscore(key, found) > 1e9  # now: a wall-clock time, per run
+    assert guarded.client.zscore(key, past_gap) == 1.0  # past the gap: untouched
+    assert guarded.client.zcard(key) == 2  # touch never adds a member
+    assert [member for member, _ in index.oldest(model, rank, 1)] == [past_gap]
 
 
 # -- isolation -------------------------------------------------------------------------------
@@ -219,7 +224,9 @@ def test_namespaces_and_deployments_are_isolated(guarded):
     assert index.longest_prefix(prod.model_digest(), [other_rank], blocks) == 0
     assert index.longest_prefix(prod.model_digest(), [prod.digest(), other_rank], blocks) == 0
     # All keys of one deployment share a Redis Cluster hash slot.
-    tags = {index_key(prod.model_digest(), r).split("}")[0] for r in (prod.digest(), other_rank)}
+    tags = {
+        key.split("}")[0] for r in (prod.digest(), other_rank) for key in index_keys(prod.model_digest(), r)
+    }
     assert len(tags) == 1
 
 
@@ -280,7 +287,7 @@ def test_write_lease_tokens(guarded):
     assert leases.claim_write(model, rank, block, second) is Claim.ACQUIRED
     leases.publish(model, rank, block, second)
     assert not guarded.client.exists(lease)
-    assert guarded.client.zscore(index_key(model, rank), block) is not None
+    assert guarded.client.hexists(blocks_key(model, rank), block)
     assert leases.claim_write(model, rank, block, new_token()) is Claim.PRESENT
 
 
@@ -389,7 +396,8 @@ def test_eight_concurrent_writers_make_one_put(redis_url, s3_endpoint, bucket):
         assert len(puts) == 1
         assert len(results) == 8 and all(result.stored == {S3: True} for result in results)
         s3 = engines[0].s3
-        assert [key for key, _, _ in s3.list_objects(shape.rank_digest)] == [shape.key(block)]
+        runs = [run for _, run, _, _ in s3.list_runs(shape.rank_digest)]
+        assert len(runs) == 1 and s3.read_run_header(shape.rank_digest, runs[0]).block_hashes == (block,)
         assert RedisIndex(engines[0].redis).count(shape.model_digest, shape.rank_digest) == 1
         out = bytearray(BLOCK)
         assert engines[3].read_into(block, memoryview(out), S3) and bytes(out) == data
@@ -416,7 +424,8 @@ def test_a_waiting_writer_takes_over_from_a_dead_one(redis_url, s3_endpoint, buc
         engine.write_down(block, None, results.append, data=b"\x07" * BLOCK, tiers=(S3,))
         assert engine.flush(30)
         assert results[0].stored == {S3: True} and len(puts) == 1
-        assert engine.s3.exists(shape.key(block))
+        assert engine.index.locate(shape.model_digest, shape.rank_digest, block) is not None
+        assert len(list(engine.s3.list_runs(shape.rank_digest))) == 1
     finally:
         engine.close()
 

@@ -14,7 +14,7 @@ from redis.cluster import key_slot
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import Deployment, RedisIndex, index_key
+from tiercache.index import Deployment, RedisIndex, index_keys
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.cpu import CpuBuffer
@@ -53,7 +53,7 @@ def test_index_and_leases_through_a_cluster(cluster):
             index.add(model, rank, block)
     index.remove(model, ranks[1], blocks[29])
     # One script over both ranks' keys (one slot thanks to the hash tag).
-    assert len({key_slot(index_key(model, r).encode()) for r in ranks}) == 1
+    assert len({key_slot(key.encode()) for r in ranks for key in index_keys(model, r)}) == 1
     assert index.longest_prefix(model, ranks, blocks) == 29
     # Leases: one writer claims, the object is published, a reader leases it, GC waits.
     block = hashes(1)[0]
@@ -108,7 +108,7 @@ def test_one_master_killed_means_misses_not_errors(cluster):
         for block in blocks:
             index.add(model, rank, block)
         assert index.longest_prefix(model, [rank], blocks) == 4
-    victim = cluster.port_of_slot(key_slot(index_key(models[0], rank).encode()))
+    victim = cluster.port_of_slot(key_slot(index_keys(models[0], rank)[0].encode()))
     cluster.kill(victim)
     outcomes = {"hit": 0, "miss": 0}
     deadline = time.monotonic() + 20

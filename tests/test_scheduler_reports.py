@@ -197,7 +197,12 @@ class MiniEngine:
                 {"cpu": {"capacity": cpu_slots * slot_bytes}, "disk": disk, "movers": movers}
             )
             worker = TierCacheWorker(
-                config, spec(rank, tp), "m", self.num_blocks, tp_rank=rank, writes_lower_tiers=True,
+                config,
+                spec(rank, tp),
+                "m",
+                self.num_blocks,
+                tp_rank=rank,
+                writes_lower_tiers=True,
                 disk_share=1 << 29,
             )
             worker.register_kv_caches(kv, slot_bytes)
@@ -401,3 +406,24 @@ def test_a_block_whose_load_failed_is_not_offered_again_to_the_rescheduled_reque
     assert sched.get_num_new_matched_tokens(req, 0) == (BLOCK, False)
     now[0] = 31.0  # the tier may have recovered: the block is offered again
     assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (3 * BLOCK, True)
+
+
+def test_a_prompt_chunked_over_steps_ends_its_s3_run_group_with_its_last_block():
+    """Issue 18: a request's S3 run waited for the request to finish or for a short
+    timer; a chunked prefill's next chunk came a forward later, and the timer split
+    its run. The step that stores the prompt's last full block now says so."""
+    sched = make_scheduler(tp=1, slots=16)
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+    req = request("r", hashes)
+    gpu = list(range(6))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, blocks_of(gpu), 0)
+    first = sched.build_connector_meta(scheduler_output([new_request(req, gpu)], scheduled={"r": 3 * BLOCK}))
+    assert [op.req_id for op in first.stores] == ["r"] * 3 and first.stores_done == []
+    cached = SimpleNamespace(
+        req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[3 * BLOCK]
+    )
+    rest = sched.build_connector_meta(
+        scheduler_output(cached=cached, scheduled={"r": req.num_tokens - 3 * BLOCK})
+    )
+    assert len(rest.stores) == 3 and rest.stores_done == ["r"]

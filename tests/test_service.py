@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tiercache.block_hashing import BlockHashing
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import REGISTRY, Deployment, index_key
+from tiercache.index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
 from tiercache.presence import PresencePublisher
 from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
 from tiercache.service.models import MAX_LOOKUP_TOKENS
@@ -31,7 +31,8 @@ TOKEN = "s3cr3t-admin-token"
 def make_config(redis_url, s3_endpoint=None, bucket=None, *, namespace="ns1", capacity=None, disk=None):
     data = {"namespace": namespace, "redis_url": redis_url, "cpu": {"capacity": 64 * SLOT}}
     if s3_endpoint:
-        data["s3"] = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"}
+        # Runs of one block: GC figures here count one object per block.
+        data["s3"] = {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1", "pack_blocks": 1}
         if capacity is not None:
             data["s3"]["capacity"] = capacity
     if disk is not None:
@@ -183,7 +184,7 @@ def test_lookup_finds_the_longest_prefix_per_deployment(stack, redis):
     sharded = store(config, prompt[:2], tp=2, tiers=("s3",))
     store(config, prompt, namespace="ns2")  # another namespace: never answered for ns1
     scores_before = redis.client.zrange(
-        index_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
+        runs_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
     )
 
     response = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
@@ -210,7 +211,7 @@ def test_lookup_finds_the_longest_prefix_per_deployment(stack, redis):
     assert body["deployments"][0]["model_digest"] == single.model_digest  # longest first
     # A router asking is not an access: GC order is unchanged.
     scores_after = redis.client.zrange(
-        index_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
+        runs_key(single.model_digest, single.rank_digests[0]), 0, -1, withscores=True
     )
     assert scores_after == scores_before
 
@@ -227,7 +228,7 @@ def test_lookup_counts_a_missing_rank_as_a_miss(stack, redis):
     config, client = stack
     prompt = blocks(3)
     dep = store(config, prompt, tp=2, tiers=("s3",))
-    redis.client.zrem(index_key(dep.model_digest, dep.rank_digests[1]), prompt[1])
+    redis.client.hdel(blocks_key(dep.model_digest, dep.rank_digests[1]), prompt[1])
     body = client.post(
         "/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
     ).json()
@@ -659,8 +660,10 @@ def test_gc_endpoint_keeps_capacity(stack, redis):
     config, client = stack  # capacity: 8 objects
     hashes = blocks(12)
     dep = store(config, hashes, tiers=("s3",))
+    rank = dep.rank_digests[0]
     for i, h in enumerate(hashes):
-        redis.client.zadd(index_key(dep.model_digest, dep.rank_digests[0]), {h: 1000.0 + i}, xx=True)
+        run, _ = parse_location(redis.client.hget(blocks_key(dep.model_digest, rank), h))
+        redis.client.zadd(runs_key(dep.model_digest, rank), {run: 1000.0 + i}, xx=True)
 
     response = client.post("/v1/gc", headers=admin(), params={"sweep_orphans": "false"})
 
@@ -668,9 +671,7 @@ def test_gc_endpoint_keeps_capacity(stack, redis):
     report = response.json()
     assert report["evicted_objects"] == 4 and report["used_bytes_after"] == 8 * OBJECT
     assert report["orphans"]["scanned"] == 0
-    assert set(redis.client.zrange(index_key(dep.model_digest, dep.rank_digests[0]), 0, -1)) == set(
-        hashes[4:]
-    )
+    assert set(redis.client.hkeys(blocks_key(dep.model_digest, dep.rank_digests[0]))) == set(hashes[4:])
     stats = client.get("/v1/stats").json()
     assert stats["gc"]["evicted_objects"] == 4 and stats["gc"]["runs"]["ok"] == 1
     assert "tiercache_gc_evicted_objects_total 4.0" in client.get("/metrics").text
@@ -696,7 +697,7 @@ def test_background_gc_runs_on_its_interval(redis, redis_url, s3_endpoint, bucke
             time.sleep(0.1)
         assert stats["gc"]["runs"]["ok"] >= 1
         assert stats["gc"]["evicted_objects"] == 3
-    assert redis.client.zcard(index_key(dep.model_digest, dep.rank_digests[0])) == 2
+    assert redis.client.hlen(blocks_key(dep.model_digest, dep.rank_digests[0])) == 2
 
 
 def test_unreadable_registry_entries_are_skipped(stack, redis, tmp_path):

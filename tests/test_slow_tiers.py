@@ -94,7 +94,7 @@ def test_a_slow_s3_leaves_the_cpu_tier_free_for_stores(tmp_path, redis_url, buck
         assert cache.engine.flush(30)
         assert cache.put(block(1000), payload(1000)) is not None
         assert cache.engine.flush(30)
-        assert cache.engine.s3.exists(shape.key(block(1000)))
+        assert cache.engine.index.locate(shape.model_digest, shape.rank_digest, block(1000)) is not None
     finally:
         cache.close()
 

@@ -18,6 +18,10 @@ alternates too), so both see the same machine; for s3 they alternate wave by wav
 (one wave = s3.max_concurrency objects in flight). Speeds are medians over the
 repeats, the warm-up repeat excluded; ratios are medians of the per-repeat ratios.
 
+S3 requests (bench_packing.py): the same prompts stored and loaded with one object
+per block and with runs, PUTs and GETs per 1k tokens, $ per million tokens at list
+prices (s3_cost.py), and the S3-hit time of each.
+
 This file runs past 500 lines on purpose: each tier's baseline and the tier's own
 path stand next to each other, on the same bytes, so that a reader can check the
 comparison is fair in one place.
@@ -42,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tiercache.bench_packing import MAX_PUT_RATIO, bench_requests, print_requests
 
 REPEATS = 9  # measured, after one warm-up
 LOOKUP_SIZES = (32, 256, 2048)
@@ -331,38 +337,38 @@ def _bench_s3(
         for repeat in range(REPEATS + 1):
             hashes = _hashes(blocks, 200 + repeat)
             headers = [shape.header(h, row) for h, row in zip(hashes, rows, strict=True)]
-            names = [engine.s3.object_name(h.key) for h in headers]
+            names = [f"bench/raw/{h.key}" for h in headers]  # raw objects of the same size
             raw_bodies = [h.encode() + row.tobytes() for h, row in zip(headers, rows, strict=True)]
 
             def tier_put(items: range, hashes=hashes, headers=headers) -> None:
-                done = pool.map(lambda i: engine._upload(hashes[i], rows[i], headers[i]), items)
+                done = pool.map(lambda i: engine.s3_writer.upload(hashes[i], rows[i], headers[i]), items)
                 if not all(done):
                     raise RuntimeError("s3 tier refused a put")
 
             def raw_put(items: range, names=names, raw_bodies=raw_bodies) -> None:
                 put_one = raw_client.put_object
-                list(
-                    pool.map(
-                        lambda i: put_one(Bucket=bucket, Key=names[i] + ".raw", Body=raw_bodies[i]), items
-                    )
-                )
+                list(pool.map(lambda i: put_one(Bucket=bucket, Key=names[i], Body=raw_bodies[i]), items))
 
             def tier_get(items: range, hashes=hashes) -> None:
                 done = pool.map(lambda i: engine.read_into(hashes[i], buffer.view(i), S3), items)
                 if not all(done):
                     raise RuntimeError("s3 tier lost an object")
 
-            def raw_get(items: range, names=names) -> None:  # the very objects the tier wrote
+            def raw_get(items: range, names=names) -> None:  # objects of the size the tier wrote
                 get_one = raw_client.get_object
                 list(pool.map(lambda i: get_one(Bucket=bucket, Key=names[i])["Body"].read(), items))
 
             put.add_waves(repeat, blocks, concurrency, tier_put, raw_put)
             get.add_waves(repeat, blocks, concurrency, tier_get, raw_get)
-            for start in range(0, blocks, 500):
-                chunk = names[start : start + 500]
-                objects = [{"Key": n} for n in chunk] + [{"Key": n + ".raw"} for n in chunk]
+            runs = [
+                engine.s3.run_name(rank, run) for rank, run, _, _ in engine.s3.list_runs(shape.rank_digest)
+            ]
+            tier_and_raw = names + runs
+            for start in range(0, len(tier_and_raw), 500):
+                objects = [{"Key": n} for n in tier_and_raw[start : start + 500]]
                 raw_client.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
-            engine.index.redis.client.delete(_index_key(shape))
+            for key in _index_keys(shape):
+                engine.index.redis.client.delete(key)
             progress.step("s3")
     finally:
         pool.shutdown()
@@ -370,10 +376,10 @@ def _bench_s3(
     return _tier_figures(put, get, payload.nbytes), concurrency
 
 
-def _index_key(shape) -> str:
-    from tiercache.index import index_key
+def _index_keys(shape) -> tuple[str, ...]:
+    from tiercache.index import index_keys
 
-    return index_key(shape.model_digest, shape.rank_digest)
+    return index_keys(shape.model_digest, shape.rank_digest)
 
 
 # -- lookup and memory ------------------------------------------------------------------
@@ -381,13 +387,13 @@ def _index_key(shape) -> str:
 
 def _bench_lookup(redis_url: str, progress: _Progress) -> dict[str, dict[str, float]]:
     from tiercache.config import RedisConfig
-    from tiercache.index import RedisIndex, index_key
+    from tiercache.index import RedisIndex, RunRecord, index_keys
     from tiercache.redis_conn import GuardedRedis
 
     guarded = GuardedRedis(redis_url, RedisConfig())
     index = RedisIndex(guarded)
     model, rank = "f" * 16, "f" * 16
-    key = index_key(model, rank)
+    keys = index_keys(model, rank)
     sent = [0]
     original = guarded.client.execute_command
 
@@ -399,8 +405,10 @@ def _bench_lookup(redis_url: str, progress: _Progress) -> dict[str, dict[str, fl
     try:
         for n in LOOKUP_SIZES:
             hashes = _hashes(n, 300 + n)
-            guarded.client.delete(key)
-            guarded.client.zadd(key, dict.fromkeys(hashes, time.time()))
+            guarded.client.delete(*keys)
+            for start in range(0, n, 16):  # runs of 16, as tiercache writes them
+                run = start.to_bytes(8, "big")
+                index.add_run(model, rank, run, RunRecord(0, 0, 0, tuple(hashes[start : start + 16])))
             for _ in range(5):  # warm-up: script loaded, connection open
                 assert index.longest_prefix(model, [rank], hashes) == n
             guarded.client.execute_command = counting
@@ -420,30 +428,31 @@ def _bench_lookup(redis_url: str, progress: _Progress) -> dict[str, dict[str, fl
             }
             progress.step("lookup")
     finally:
-        guarded.client.delete(key)
+        guarded.client.delete(*keys)
         guarded.close()
     return results
 
 
 def _redis_bytes_per_block(redis_url: str) -> float:
-    import redis
+    """The index's Redis bytes per block, in runs of 16 (tiercache/index.py's layout)."""
+    from tiercache.config import RedisConfig
+    from tiercache.index import RedisIndex, RunRecord, index_keys
+    from tiercache.redis_conn import GuardedRedis
 
-    client = redis.Redis.from_url(redis_url)
-    key = "tc:{bench0000000000}:idx:bench000000000000"
+    guarded = GuardedRedis(redis_url, RedisConfig(socket_timeout=10))
+    index = RedisIndex(guarded)
+    model, rank = "bench0000000000a", "bench0000000000b"
     try:
-        client.delete(key)
+        guarded.client.delete(*index_keys(model, rank))
         rng = np.random.default_rng(7)
-        now = time.time()
-        for start in range(0, INDEX_MEMBERS, 10_000):
-            count = min(10_000, INDEX_MEMBERS - start)
-            client.zadd(key, {rng.bytes(32): now + i for i in range(count)})
-        assert client.zcard(key) == INDEX_MEMBERS
-        usage = client.memory_usage(key, samples=0)
-        assert usage is not None  # the key was just written
-        return usage / INDEX_MEMBERS
+        for _ in range(INDEX_MEMBERS // 16):
+            hashes = tuple(rng.bytes(32) for _ in range(16))
+            index.add_run(model, rank, rng.bytes(8), RunRecord(4096, 4096, 1 << 20, hashes))
+        assert index.count(model, rank) == INDEX_MEMBERS
+        return index.memory_usage(model, rank) / INDEX_MEMBERS
     finally:
-        client.delete(key)
-        client.close()
+        guarded.client.delete(*index_keys(model, rank))
+        guarded.close()
 
 
 def _vm(field: str) -> int:
@@ -570,7 +579,7 @@ def run_bench(
     logging.getLogger("tiercache").setLevel(logging.ERROR)
     payload = np.random.default_rng(1).integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
     workdir = Path(tempfile.mkdtemp(prefix="tiercache-bench-"))
-    steps = 3 * (REPEATS + 1) + len(LOOKUP_SIZES) + 2
+    steps = 3 * (REPEATS + 1) + len(LOOKUP_SIZES) + 3
     try:
         with (
             _servers(stack, redis_url, s3_endpoint, bucket) as (redis_at, s3_at, s3_server),
@@ -581,6 +590,8 @@ def run_bench(
             disk = _bench_disk(payload, workdir / "disk", bar)
             s3, concurrency = _bench_s3(payload, redis_at, s3_at, bucket, bar)
             lookup = _bench_lookup(redis_at, bar)
+            requests = bench_requests(redis_at, s3_at, bucket, block_bytes)
+            bar.step("s3 requests")
             per_block = _redis_bytes_per_block(redis_at)
             bar.step("redis memory")
             rss = _measure_rss(redis_at, s3_at, bucket, block_bytes, blocks, workdir)
@@ -591,6 +602,7 @@ def run_bench(
     return {
         "tiers": {"cpu": cpu, "disk": disk, "s3": s3},
         "lookup": lookup,
+        "s3_requests": requests,
         "memory": {
             "redis_bytes_per_block": round(per_block, 1),
             "rss_over_cpu_capacity": round((rss["rss"] - capacity) / capacity, 4),
@@ -623,6 +635,11 @@ def targets_missed(result: dict[str, Any]) -> list[str]:
     for n, figures in result["lookup"].items():
         if figures["round_trips"] != 1:
             missed.append(f"lookup of {n} took {figures['round_trips']} round trips")
+    requests = result.get("s3_requests")
+    if requests and requests["put_ratio"] > MAX_PUT_RATIO:
+        missed.append(
+            f"packed runs sent {requests['put_ratio']:.3f} of per-block PUTs (> {MAX_PUT_RATIO:.3f})"
+        )
     memory = result["memory"]
     if memory["redis_bytes_per_block"] > MAX_REDIS_BYTES_PER_BLOCK:
         missed.append(f"redis holds {memory['redis_bytes_per_block']} bytes per block")
@@ -661,6 +678,8 @@ def print_table(result: dict[str, Any], console) -> None:
     for n, f in result["lookup"].items():
         lookups.add_row(n, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", str(f["round_trips"]))
     console.print(lookups)
+    if result.get("s3_requests"):
+        print_requests(result["s3_requests"], console)
     memory = result["memory"]
     console.print(
         f"Redis bytes per indexed block: {memory['redis_bytes_per_block']:.1f} (target <= "

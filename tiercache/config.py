@@ -113,6 +113,26 @@ class S3TierConfig(_Strict):
     connect_timeout: float = Field(default=2.0, gt=0, le=60)
     read_timeout: float = Field(default=10.0, gt=0, le=300)
     max_attempts: int = Field(default=3, ge=1, le=10)
+    # Runs (issue 18): consecutive blocks of one request go into one object, up to
+    # this many blocks or bytes of pages, whichever comes first; 1 writes one object
+    # per block. A request's run ships when its prompt's last block is stored or the
+    # request finishes; pack_flush_seconds bounds the wait otherwise (decode blocks,
+    # writes outside a request). A prompt's chunks come one forward apart, which took
+    # seconds on vLLM's CPU build: a short bound split its runs.
+    pack_blocks: int = Field(default=16, ge=1, le=1024)
+    pack_bytes: ByteSize = Field(default=16 * 2**20, description="most page bytes in one run object")
+    pack_flush_seconds: float = Field(default=5.0, gt=0, le=60)
+
+    def run_blocks(self, slot_bytes: int) -> int:
+        """Blocks per run for blocks of `slot_bytes`: pack_blocks, fewer if pack_bytes says so."""
+        return max(1, min(self.pack_blocks, int(self.pack_bytes) // max(1, slot_bytes)))
+
+    @field_validator("pack_bytes")
+    @classmethod
+    def _pack_bytes(cls, size: int) -> int:
+        if int(size) < 1:
+            raise ValueError("s3.pack_bytes must be at least 1 byte (one block always fits a run)")
+        return size
 
     @field_validator("bucket")
     @classmethod

@@ -8,11 +8,10 @@ and `LocalTierCache` (below) does for standalone use (benchmarks, tests, tools).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,13 @@ from pathlib import Path
 from tiercache.config import TierCacheConfig
 from tiercache.foreground import ForegroundGate
 from tiercache.index import Deployment, RedisIndex
-from tiercache.leases import Leases, new_token
+from tiercache.leases import Leases
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.run_packer import RunPacker
+from tiercache.s3_reader import S3Reader
 from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers import CPU, DISK, S3
@@ -32,11 +33,10 @@ from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader
-from tiercache.tiers.s3 import Fetch, S3Tier
+from tiercache.tiers.s3 import S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -44,6 +44,17 @@ class WriteResult:
     block_hash: bytes
     slot: int | None
     stored: dict[str, bool] = field(default_factory=dict)  # tier -> now holds the object
+
+
+@dataclass
+class _Upload:
+    """A block waiting in the run packer for its S3 upload."""
+
+    result: WriteResult
+    data: bytes | None
+    view: memoryview
+    header: ObjectHeader
+    on_done: Callable[[WriteResult], None]
 
 
 def disk_root(config: TierCacheConfig) -> Path | None:
@@ -120,6 +131,16 @@ class TierEngine:
             tier.name: tier for tier in (self.disk, self.s3) if tier is not None
         }
         self._readers = {DISK: self._read_disk, S3: self._download}
+        self.s3_reader: S3Reader | None = None
+        if self.s3 is not None and self.leases is not None and self.index is not None:
+            self.s3_reader = S3Reader(self.s3, self.leases, self.index, shape)
+        # Blocks bound for S3 gather into runs (one object, one PUT each) per request.
+        self._packer: RunPacker[_Upload] | None = None
+        if self.s3_writer is not None and self.s3 is not None:
+            packing = self.s3.config  # the tier's own settings (a tier may be passed in)
+            self._packer = RunPacker(
+                packing.run_blocks(shape.slot_bytes), packing.pack_flush_seconds, self._ship_run
+            )
         movers = config.movers
         # Held by the connector's worker while a forward that loads hits runs on the
         # CPU backend (see foreground.py); never held elsewhere.
@@ -169,6 +190,7 @@ class TierEngine:
         on_done: Callable[[WriteResult], None],
         data: bytes | None = None,
         tiers: tuple[str, ...] = (DISK, S3),
+        group: Hashable = None,
     ) -> bool:
         """Queue a copy of the block (slot `slot` of the buffer, or `data`) to the lower
         tiers. False if the queue is full: the write is dropped and on_done is called
@@ -176,8 +198,12 @@ class TierEngine:
 
         When `upload_slot_limit` slots are already held for S3 uploads, a block from a
         slot goes to disk only: its S3 write is dropped, counted, and reported as not
-        stored."""
+        stored.
+
+        `group` (a request id) says which blocks may share an S3 run: those of one
+        group, in the order they were queued (see run_packer.py)."""
         result = WriteResult(block_hash, slot)
+        number = 0  # the block's place in its group's runs (run_packer.py)
         tiers = tuple(t for t in tiers if t in self.lower)
         if not tiers:
             on_done(result)
@@ -195,20 +221,27 @@ class TierEngine:
                 MOVER_QUEUE.labels("down").set(self._queued)
                 if S3 in tiers and slot is not None:
                     self._upload_slots += 1
+                if S3 in tiers and self._packer is not None:
+                    number = self._packer.expect(group)
         for tier in dropped:
             MOVER_DROPPED.labels(tier).inc()
         if not tiers:
             on_done(result)
             return False
-        self._movers.submit(self._write_task, result, data, tiers, on_done)
+        self._movers.submit(self._write_task, result, data, tiers, on_done, group, number)
         return True
+
+    def end_group(self, group: Hashable) -> None:
+        """The request `group` ended: its partial run goes to S3 now."""
+        if self._packer is not None:
+            self._packer.end_group(group)
 
     @property
     def writes_in_flight(self) -> int:
         """Write-downs queued or running (each to every tier it goes to)."""
         return self._queued
 
-    def _write_task(self, result, data, tiers, on_done) -> None:
+    def _write_task(self, result, data, tiers, on_done, group=None, number=0) -> None:
         upload = None
         self.foreground.wait()
         try:
@@ -221,25 +254,40 @@ class TierEngine:
                 upload = (view, header)
         except Exception:  # a mover must survive anything a tier throws
             log.exception("write of block %s failed", result.block_hash.hex())
-        if upload is not None:
-            try:
-                self._uploaders.submit(self._upload_task, result, data, *upload, on_done)
-                return
-            except RuntimeError:  # shut down by a close that gave up flushing
-                pass
+        if upload is not None and self._packer is not None:
+            self._packer.add(group, number, _Upload(result, data, *upload, on_done))
+            return
+        if S3 in tiers:
+            result.stored.setdefault(S3, False)
+            if self._packer is not None:
+                self._packer.abandon(group, number)
         self._write_ended(result, tiers, on_done)
 
-    def _upload_task(self, result, data, view, header, on_done) -> None:
+    def _ship_run(self, run: list[_Upload]) -> None:
+        """The packer's callback: upload a run on the upload threads."""
+        try:
+            self._uploaders.submit(self._upload_run_task, run)
+        except RuntimeError:  # shut down by a close that gave up flushing
+            for item in run:
+                self._write_ended(item.result, (S3,), item.on_done)
+
+    def _upload_run_task(self, run: list[_Upload]) -> None:
         self.foreground.wait()
         try:
             if self.uploads is not None:
-                result.stored[S3] = self.uploads.upload(result.block_hash, result.slot, data, header)
+                blocks = [(u.result.block_hash, u.result.slot, u.data, u.header) for u in run]
+                stored = self.uploads.upload_run(blocks)
+            elif self.s3_writer is not None:
+                stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
             else:
-                result.stored[S3] = self._upload(result.block_hash, view, header)
+                stored = [False] * len(run)
+            for item, ok in zip(run, stored, strict=True):
+                item.result.stored[S3] = ok
         except Exception:  # an uploader must survive anything a tier throws
-            log.exception("upload of block %s failed", result.block_hash.hex())
+            log.exception("upload of a run of %d blocks failed", len(run))
         finally:
-            self._write_ended(result, (S3,), on_done)
+            for item in run:
+                self._write_ended(item.result, (S3,), item.on_done)
 
     def _write_ended(self, result: WriteResult, tiers: tuple[str, ...], on_done) -> None:
         try:
@@ -252,10 +300,6 @@ class TierEngine:
                     self._upload_slots -= 1
                 if self._queued == 0:
                     self._idle.notify_all()
-
-    def _upload(self, block_hash: bytes, view: memoryview, header: ObjectHeader) -> bool:
-        """Upload from this process (see S3Writer)."""
-        return self.s3_writer.upload(block_hash, view, header) if self.s3_writer is not None else False
 
     # -- read path ----------------------------------------------------------------
     def stage(self, block_hash: bytes, slot: int, tier: str) -> bool:
@@ -272,58 +316,54 @@ class TierEngine:
         return self.disk.get_into(key, out, self.shape.pages)
 
     def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
-        # Only the tiers in self.lower are read, and the config refuses S3 without Redis.
-        assert self.s3 is not None and self.leases is not None
-        model, rank = self.shape.model_digest, self.shape.rank_digest
-        token = new_token()
-        try:
-            if not self.leases.acquire_read(model, rank, block_hash, token):
-                return False
-        except RedisUnavailable:
-            return False
-        try:
-            fetched = self.s3.fetch_into(key, out, self.shape.pages)
-            if fetched in (Fetch.MISSING, Fetch.CORRUPT) and self.index is not None:
-                # The entry names no usable object: drop it so no one else asks for it.
-                # Any other failure (a timeout, 503, 403, a cut connection) says nothing
-                # about the object, so it is a miss and the entry stays.
-                with contextlib.suppress(RedisUnavailable):
-                    self.index.remove(model, rank, block_hash)
-            return fetched is Fetch.OK
-        finally:
-            # If Redis is gone the lease simply expires.
-            with contextlib.suppress(RedisUnavailable):
-                self.leases.release_read(model, rank, block_hash, token)
+        return self.read_s3([(block_hash, out)])[0]
+
+    def read_s3(self, blocks: list[tuple[bytes, memoryview]]) -> list[bool]:
+        """Read consecutive blocks of a prefix from S3 into their buffers, verified, with
+        one ranged GET per run they lie in (s3_reader.py). Per block, whether it came."""
+        if self.s3_reader is None:
+            return [False] * len(blocks)
+        return self.s3_reader.read(blocks)
 
     def stage_many(self, items: list[tuple[bytes, int, str]]) -> Future:
         """Stage several blocks in parallel; the future's result is the list of
         booleans in order."""
 
         def run() -> list[bool]:
-            if len(items) == 1:
-                return [self.stage(*items[0])]
-            futures = [self._stage_pool_submit(item) for item in items]
-            return [f.result() for f in futures]
+            # The S3 blocks of a load go together: a run they share is one ranged GET.
+            s3_items = [(i, item) for i, item in enumerate(items) if item[2] == S3]
+            others = {
+                i: self._disk_readers.submit(self.stage, *item)
+                for i, item in enumerate(items)
+                if item[2] != S3
+            }
+            results = [False] * len(items)
+            if s3_items:
+                fetched = self.read_s3([(h, self.buffer.view(slot)) for _, (h, slot, _) in s3_items])
+                for (i, _), ok in zip(s3_items, fetched, strict=True):
+                    results[i] = ok
+            for i, future in others.items():
+                results[i] = future.result()
+            return results
 
         return self._stagers.submit(run)
-
-    def _stage_pool_submit(self, item: tuple[bytes, int, str]) -> Future:
-        if item[2] == S3 and self.s3 is not None:
-            return self.s3.pool.submit(self.stage, *item)
-        return self._disk_readers.submit(self.stage, *item)
 
     # -- lifecycle ----------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes are done; False if `timeout` passed first."""
         timeout = self.config.movers.shutdown_flush_seconds if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with self._idle:
-            while self._queued:
+        while True:
+            # Partial runs ship as soon as their blocks in flight have arrived.
+            if self._packer is not None:
+                self._packer.end_all()
+            with self._idle:
+                if not self._queued:
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._idle.wait(left)
-        return True
+                self._idle.wait(min(left, 0.02))
 
     def close(self) -> None:
         """Flush queued writes within the configured bound, then stop."""
@@ -339,6 +379,8 @@ class TierEngine:
                 self.config.movers.shutdown_flush_seconds,
             )
         self._movers.shutdown(wait=flushed, cancel_futures=not flushed)
+        if self._packer is not None:
+            self._packer.close()
         self._uploaders.shutdown(wait=flushed, cancel_futures=not flushed)
         self._stagers.shutdown(wait=False, cancel_futures=True)
         self._disk_readers.shutdown(wait=False, cancel_futures=True)
@@ -386,10 +428,10 @@ class LocalTierCache:
             self.engine.write_down(victim, None, self._after_write, data=data)
         return slot
 
-    def put(self, block_hash: bytes, data: bytes | memoryview) -> int | None:
+    def put(self, block_hash: bytes, data: bytes | memoryview, group: Hashable = None) -> int | None:
         """Store one block; returns its CPU slot, or None when every slot is busy with
         a transfer (the store is dropped, not waited for). Lower tiers follow per the
-        policy."""
+        policy; blocks of one `group` (a request) share S3 runs."""
         existing = self.slots.slot_of(block_hash)
         if existing is not None:
             return existing
@@ -405,7 +447,7 @@ class LocalTierCache:
         if self.policy.write_back:
             self.policy.release(slot)
         else:
-            self.engine.write_down(block_hash, slot, self._after_write)
+            self.engine.write_down(block_hash, slot, self._after_write, group=group)
         return slot
 
     def get(self, block_hash: bytes) -> tuple[str, memoryview] | None:

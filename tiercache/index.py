@@ -1,15 +1,25 @@
 """The shared index in Redis: which blocks of which deployment are in the S3 tier,
-with last-access scores for GC.
+in which run object and at which position, with last-access scores per object for GC.
 
 Layout (all keys of one deployment share a hash tag, so a lookup over every TP rank
 is one round trip, in Redis Cluster too):
-  tc:{<model_digest>}:idx:<rank_digest>   ZSET  member = raw block hash, score = last access
+  tc:{<model_digest>}:blk:<rank_digest>   HASH  raw block hash -> location: run id (8 bytes)
+                                                + position in the run (2 bytes, big-endian)
+  tc:{<model_digest>}:runs:<rank_digest>  ZSET  run id -> last access (any of its blocks)
+  tc:{<model_digest>}:run:<rank_digest>   HASH  run id -> RunRecord: where its frames lie and
+                                                its blocks' hashes (GC unindexes a run whole)
   tc:registry                             HASH  model_digest -> JSON describing the deployment
+
+A block costs one HASH field (about 110 bytes of Redis) plus its share of its run's
+ZSET member and record (about 150 / blocks per run, plus its 32-byte hash): about
+150 bytes at 16 blocks a run, against 145 for the per-block ZSET this replaced and
+its location nowhere (tests/test_runs.py measures it with MEMORY USAGE).
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -17,13 +27,18 @@ from tiercache.metrics import LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.redis_conn import GuardedRedis
 
 REGISTRY = "tc:registry"
-# Lua's unpack() has a bounded stack: ask ZMSCORE for at most this many members a call.
+# Lua's unpack() has a bounded stack: ask HMGET for at most this many fields a call.
 _CHUNK = 1000
+RUN_ID_BYTES = 8
+_POSITION = struct.Struct(">H")
+# A run record's fixed part: data_start, frame header bytes, slot bytes, hash width.
+_RECORD = struct.Struct(">IIQB")
 
-# KEYS: one index ZSET per rank. ARGV: now, touch (0/1), member length, members
-# concatenated into one string. One argument rather than thousands: packing and
-# unpacking a few thousand arguments costs both sides more than the lookup itself.
-# Returns how many leading members are present in every rank's ZSET.
+# KEYS: per rank, its block HASH then its runs ZSET. ARGV: now, touch (0/1), member
+# length, members concatenated into one string. One argument rather than thousands:
+# packing and unpacking a few thousand arguments costs both sides more than the
+# lookup itself. Returns how many leading members are present in every rank's HASH;
+# with touch, the runs holding them get `now` as their last access.
 _LOOKUP = """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
@@ -37,39 +52,80 @@ local function upto(last)
   end
 end
 local found = n
-for _, key in ipairs(KEYS) do
+local locs = {}
+for r = 1, #KEYS, 2 do
+  local key = KEYS[r]
+  locs[r] = {}
   local i = 1
   while i <= found do
     local last = math.min(found, i + %d - 1)
     upto(last)
-    local scores = redis.call('ZMSCORE', key, unpack(member, i, last))
-    for j = 1, #scores do
-      if not scores[j] then
+    local values = redis.call('HMGET', key, unpack(member, i, last))
+    for j = 1, #values do
+      if not values[j] then
         found = i + j - 2
         break
       end
+      locs[r][i + j - 1] = values[j]
     end
     i = last + 1
   end
   if found == 0 then return 0 end
 end
 if touch then
-  for _, key in ipairs(KEYS) do
-    local i = 1
-    while i <= found do
-      local last = math.min(found, i + %d - 1)
-      local args = {}
-      for j = i, last do
+  for r = 1, #KEYS, 2 do
+    local seen = {}
+    local args = {}
+    for j = 1, found do
+      local run = string.sub(locs[r][j], 1, %d)
+      if not seen[run] then
+        seen[run] = true
         args[#args + 1] = now
-        args[#args + 1] = member[j]
+        args[#args + 1] = run
       end
-      redis.call('ZADD', key, 'XX', unpack(args))
+    end
+    local i = 1
+    while i <= #args do
+      local last = math.min(#args, i + %d - 1)
+      redis.call('ZADD', KEYS[r + 1], 'XX', unpack(args, i, last))
       i = last + 1
     end
   end
 end
 return found
-""" % (_CHUNK, _CHUNK // 2)
+""" % (_CHUNK, RUN_ID_BYTES, _CHUNK)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What the index keeps of one run object: where its frames lie (s3_runs.RunGeometry)
+    and its blocks' hashes in order (GC unindexes a run whole; reindex rebuilds it)."""
+
+    data_start: int
+    frame_header: int
+    slot_bytes: int
+    block_hashes: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        width = len(self.block_hashes[0]) if self.block_hashes else 0
+        head = _RECORD.pack(self.data_start, self.frame_header, self.slot_bytes, width)
+        return head + b"".join(self.block_hashes)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RunRecord:
+        data_start, frame_header, slot_bytes, width = _RECORD.unpack_from(raw)
+        blob = raw[_RECORD.size :]
+        hashes = tuple(blob[i : i + width] for i in range(0, len(blob), width)) if width else ()
+        return cls(data_start, frame_header, slot_bytes, hashes)
+
+
+def location(run_id: bytes, position: int) -> bytes:
+    """A block's value in the block HASH: its run id and position, 10 bytes."""
+    return run_id + _POSITION.pack(position)
+
+
+def parse_location(raw: bytes) -> tuple[bytes, int]:
+    return raw[:RUN_ID_BYTES], _POSITION.unpack_from(raw, RUN_ID_BYTES)[0]
 
 
 @dataclass(frozen=True)
@@ -104,8 +160,31 @@ class Deployment:
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
 
-def index_key(model_digest: str, rank_digest: str) -> str:
+
+def blocks_key(model_digest: str, rank_digest: str) -> str:
+    return f"tc:{{{model_digest}}}:blk:{rank_digest}"
+
+
+def runs_key(model_digest: str, rank_digest: str) -> str:
+    return f"tc:{{{model_digest}}}:runs:{rank_digest}"
+
+
+def run_records_key(model_digest: str, rank_digest: str) -> str:
+    return f"tc:{{{model_digest}}}:run:{rank_digest}"
+
+
+def legacy_index_key(model_digest: str, rank_digest: str) -> str:
+    """The per-block ZSET tiercache kept before runs (issue 18): never read now; GC
+    deletes what is left of it."""
     return f"tc:{{{model_digest}}}:idx:{rank_digest}"
+
+
+def index_keys(model_digest: str, rank_digest: str) -> tuple[str, str, str]:
+    return (
+        blocks_key(model_digest, rank_digest),
+        runs_key(model_digest, rank_digest),
+        run_records_key(model_digest, rank_digest),
+    )
 
 
 class RedisIndex:
@@ -137,7 +216,7 @@ class RedisIndex:
         if not block_hashes:
             return 0
         LOOKUP_BLOCKS.inc(len(block_hashes))
-        keys = [index_key(model_digest, digest) for digest in rank_digests]
+        keys = [key for digest in rank_digests for key in index_keys(model_digest, digest)[:2]]
         widths = set(map(len, block_hashes))
         if len(widths) != 1 or 0 in widths:
             # The script splits one string into equal parts: a mixed list (never seen
@@ -159,40 +238,88 @@ class RedisIndex:
         return found
 
     def add(self, model_digest: str, rank_digest: str, block_hash: bytes) -> None:
-        key = index_key(model_digest, rank_digest)
-        self.redis.call("add", lambda: self.redis.client.zadd(key, {block_hash: time.time()}))
+        """Index one block as a run of its own (run id: its hash's first 8 bytes); for
+        tools and tests. Writers publish whole runs (leases.Leases.publish_run)."""
+        self.add_run(model_digest, rank_digest, block_hash[:RUN_ID_BYTES], RunRecord(0, 0, 0, (block_hash,)))
+
+    def add_run(
+        self, model_digest: str, rank_digest: str, run_id: bytes, record: RunRecord, when: float | None = None
+    ) -> None:
+        blk, runs, records = index_keys(model_digest, rank_digest)
+        mapping = {h: location(run_id, i) for i, h in enumerate(record.block_hashes)}
+
+        def write() -> None:
+            pipe = self.redis.client.pipeline(transaction=True)
+            pipe.hset(blk, mapping=mapping)
+            pipe.zadd(runs, {run_id: time.time() if when is None else when})
+            pipe.hset(records, run_id, record.encode())
+            pipe.execute()
+
+        self.redis.call("add", write)
 
     def remove(self, model_digest: str, rank_digest: str, block_hash: bytes) -> None:
-        key = index_key(model_digest, rank_digest)
-        self.redis.call("remove", lambda: self.redis.client.zrem(key, block_hash))
+        """Forget one block (its object is missing, or its frame corrupt). Its run stays
+        indexed for its other blocks; GC collects the object with the run."""
+        key = blocks_key(model_digest, rank_digest)
+        self.redis.call("remove", lambda: self.redis.client.hdel(key, block_hash))
 
     def count(self, model_digest: str, rank_digest: str) -> int:
-        key = index_key(model_digest, rank_digest)
+        """Blocks indexed for one rank."""
+        key = blocks_key(model_digest, rank_digest)
+        return int(self.redis.call("count", lambda: self.redis.client.hlen(key)))
+
+    def run_count(self, model_digest: str, rank_digest: str) -> int:
+        key = runs_key(model_digest, rank_digest)
         return int(self.redis.call("count", lambda: self.redis.client.zcard(key)))
 
     def oldest(self, model_digest: str, rank_digest: str, n: int) -> list[tuple[bytes, float]]:
-        key = index_key(model_digest, rank_digest)
+        """The `n` runs of least recent access: (run id, last access)."""
+        key = runs_key(model_digest, rank_digest)
         return self.redis.call("oldest", lambda: self.redis.client.zrange(key, 0, n - 1, withscores=True))
 
-    def members(self, model_digest: str, rank_digest: str):
-        key = index_key(model_digest, rank_digest)
+    def members(self, model_digest: str, rank_digest: str) -> list[bytes]:
+        """Every block hash indexed for one rank."""
+        key = blocks_key(model_digest, rank_digest)
         return self.redis.call(
-            "members", lambda: [m for m, _ in self.redis.client.zscan_iter(key, count=1000)]
+            "members", lambda: [m for m, _ in self.redis.client.hscan_iter(key, count=1000)]
         )
 
+    def locate(self, model_digest: str, rank_digest: str, block_hash: bytes) -> tuple[bytes, int] | None:
+        """(run id, position) of an indexed block, else None."""
+        key = blocks_key(model_digest, rank_digest)
+        raw = self.redis.call("locate", lambda: self.redis.client.hget(key, block_hash))
+        return parse_location(raw) if raw else None
+
+    def run_record(self, model_digest: str, rank_digest: str, run_id: bytes) -> RunRecord | None:
+        key = run_records_key(model_digest, rank_digest)
+        raw = self.redis.call("run", lambda: self.redis.client.hget(key, run_id))
+        return RunRecord.decode(raw) if raw else None
+
     def drop_deployment(self, deployment: Deployment) -> int:
-        """Delete a deployment's index entries (objects are left to the orphan sweep)."""
-        keys = [index_key(deployment.model_digest, d) for d in deployment.rank_digests]
+        """Delete a deployment's index entries (objects are left to the orphan sweep);
+        returns how many blocks were indexed."""
+        ranks = deployment.rank_digests
 
         def drop() -> int:
-            removed = sum(int(self.redis.client.zcard(k)) for k in keys)
-            for k in keys:  # one key per call: ranks share a slot, but DEL per key is simplest
-                self.redis.client.delete(k)
+            removed = sum(int(self.redis.client.hlen(blocks_key(deployment.model_digest, r))) for r in ranks)
+            for rank in ranks:  # one key per call: ranks share a slot, but DEL per key is simplest
+                for key in (
+                    *index_keys(deployment.model_digest, rank),
+                    legacy_index_key(deployment.model_digest, rank),
+                ):
+                    self.redis.client.delete(key)
             self.redis.client.hdel(REGISTRY, deployment.model_digest)
             return removed
 
         return self.redis.call("drop", drop)
 
     def memory_usage(self, model_digest: str, rank_digest: str) -> int:
-        key = index_key(model_digest, rank_digest)
-        return int(self.redis.call("memory", lambda: self.redis.client.memory_usage(key) or 0))
+        """Bytes of Redis this rank's index takes (MEMORY USAGE over its three keys)."""
+
+        def usage() -> int:
+            client = self.redis.client
+            return sum(
+                int(client.memory_usage(k, samples=0) or 0) for k in index_keys(model_digest, rank_digest)
+            )
+
+        return int(self.redis.call("memory", usage))

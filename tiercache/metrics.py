@@ -31,6 +31,11 @@ LOAD_DECISIONS = Counter(
     ["tier", "decision"],
 )
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
+# Every HTTP request sent to S3 (retries included: each is billed), by operation, and
+# the object bytes moved, by direction: what `tiercache bench` turns into requests
+# per 1k tokens and dollars per million tokens (tiercache/s3_cost.py).
+S3_REQUESTS = Counter("tiercache_s3_requests", "HTTP requests sent to S3, by operation", ["op"])
+S3_BYTES = Counter("tiercache_s3_bytes", "Object bytes sent to or read from S3", ["direction"])
 GC_SWEEPS_REFUSED = Counter(
     "tiercache_gc_sweeps_refused",
     "Orphan sweeps refused because the index looked lost (far fewer entries than objects)",

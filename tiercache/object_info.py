@@ -156,7 +156,7 @@ def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
 
 
 def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
-    from tiercache.index import index_key
+    from tiercache.index import RedisIndex, runs_key
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
     from tiercache.s3_gc import registered_deployments
 
@@ -166,6 +166,7 @@ def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
     table.add_column("state")
     found = False
     unavailable = False
+    runs: list[tuple[str, int]] = []  # (run hex, position) of the block in S3, per the index
 
     if config.disk is not None:
         state, held = _disk_report(config, key)
@@ -180,18 +181,27 @@ def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
             owners = [d for d in registered_deployments(redis) if rank in d.rank_digests]
             if not owners:
                 table.add_row("s3 index", "no registered deployment has this rank digest")
+            index = RedisIndex(redis)
             for dep in owners:
-                zkey = index_key(dep.model_digest, rank)
-                score = redis.call("zscore", lambda z=zkey: redis.client.zscore(z, bytes.fromhex(block)))
-                if score is None:
+                where = index.locate(dep.model_digest, rank, bytes.fromhex(block))
+                if where is None:
                     table.add_row("s3 index", f"absent (deployment {dep.model_digest}, {dep.model})")
-                else:
-                    when = datetime.fromtimestamp(score, timezone.utc).isoformat(timespec="seconds")
-                    table.add_row(
-                        "s3 index",
-                        f"[green]present[/green] (deployment {dep.model_digest}, {dep.model}; "
-                        f"namespace {dep.namespace}; last access {when})",
-                    )
+                    continue
+                run_id, position = where
+                zkey = runs_key(dep.model_digest, rank)
+                score = redis.call("zscore", lambda z=zkey, r=run_id: redis.client.zscore(z, r))
+                when = (
+                    datetime.fromtimestamp(score, timezone.utc).isoformat(timespec="seconds")
+                    if score is not None
+                    else "unknown"
+                )
+                runs.append((run_id.hex(), position))
+                table.add_row(
+                    "s3 index",
+                    f"[green]present[/green] (deployment {dep.model_digest}, {dep.model}; "
+                    f"namespace {dep.namespace}; run {run_id.hex()}, block {position}; "
+                    f"run's last access {when})",
+                )
         except RedisUnavailable:
             table.add_row("s3 index", "[red]redis unavailable[/red]")
             unavailable = True
@@ -207,11 +217,28 @@ def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
 
         s3 = S3Tier(config.s3)
         try:
-            if s3.exists(key):
-                table.add_row("s3 object", f"[green]present[/green] (s3://{s3.bucket}/{s3.object_name(key)})")
-                found = True
-            else:
-                table.add_row("s3 object", f"absent (s3://{s3.bucket}/{s3.object_name(key)})")
+            if not runs:
+                table.add_row("s3 object", "no run object named by the index")
+            for run, position in runs:
+                name = f"s3://{s3.bucket}/{s3.run_name(rank, run)}"
+                try:
+                    toc = s3.read_run_header(rank, run)
+                except CorruptObject as error:
+                    table.add_row("s3 object", f"[red]run present but corrupt: {error}[/red] ({name})")
+                    continue
+                except ClientError as error:
+                    if error.response.get("Error", {}).get("Code") not in ("NoSuchKey", "404"):
+                        raise
+                    table.add_row("s3 object", f"absent ({name})")
+                    continue
+                if position < len(toc.block_hashes) and toc.block_hashes[position] == bytes.fromhex(block):
+                    count = len(toc.block_hashes)
+                    state = f"[green]present[/green], block {position} of a run of {count} ({name})"
+                    table.add_row("s3 object", state)
+                    found = True
+                else:
+                    state = f"[red]the run holds another block at {position}[/red] ({name})"
+                    table.add_row("s3 object", state)
         except (BotoCoreError, ClientError) as error:
             table.add_row("s3 object", f"[red]could not ask: {type(error).__name__}[/red]")
             unavailable = True

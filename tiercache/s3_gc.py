@@ -7,17 +7,24 @@ Scope. The service's config describes one namespace's S3 tier (`namespace`, and
 - the orphan sweep covers every object under the bucket and prefix, whatever its
   namespace, because whether an object is an orphan is decided by the index alone.
 
-Capacity. A deployment uses ZCARD x object_bytes per TP rank in S3. While the
-namespace is over `s3.capacity`, the entry with the oldest last access (over every
-rank of every deployment) goes first. For each victim the index entry is removed with
-`Leases.gc_unindex`, which refuses while a read lease is live (that victim is
-skipped), and only once the entry is gone is the object deleted. A reader either holds
-a lease on an object that stays, or gets a miss.
+Capacity. A deployment uses (blocks indexed) x object_bytes per TP rank in S3 (a
+run's table of contents is shared by its blocks, so this is close, not exact). GC
+works per object: while the namespace is over `s3.capacity`, the run with the oldest
+last access (a lookup that finds any of its blocks touches it; over every rank of
+every deployment) goes first. For each victim the run is unindexed whole (every
+block still located in it) with `Leases.gc_unindex_run`, which refuses while a read
+lease on the run is live (that victim is skipped), and only once the entries are
+gone is the object deleted. A reader either holds a lease on an object that stays,
+or gets a miss. An object is thus deleted only when none of its blocks is indexed
+or leased.
 
-Orphans. An object is an orphan when no index entry names it: an upload whose index
-write failed, a GC pass that died between its two steps, a flushed namespace. Objects
-younger than a grace period are kept, since an upload's PUT lands before its index
-entry is written.
+Orphans. A run object is an orphan when the index holds no record of it: an upload
+whose index write failed, a GC pass that died between its two steps, a flushed
+namespace. Objects younger than a grace period are kept, since an upload's PUT lands
+before its index entry is written. Per-block objects written before runs (issue 18)
+are never read by this tiercache: they are swept once past the grace period, not
+counted by the guard below, and what is left of the per-block index in Redis
+(`tc:{*}:idx:*`) is deleted by the same pass.
 
 Lost index. An index that lost its data (Redis without persistence, a failover to an
 empty replica, a wrong URL) makes every object look orphaned. So the sweep first
@@ -47,11 +54,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tiercache.config import TierCacheConfig
-from tiercache.index import REGISTRY, Deployment, RedisIndex, index_key
-from tiercache.keys import object_key, split_key
+from tiercache.index import REGISTRY, Deployment, RedisIndex, runs_key
 from tiercache.leases import Leases
 from tiercache.metrics import GC_SWEEPS_REFUSED
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.s3_legacy import sweep_legacy
 from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.s3 import S3Tier
 
@@ -150,6 +157,8 @@ def run_gc(
             "deleted": 0,
             "delete_failed": 0,
             "refused": None,
+            "legacy_deleted": 0,
+            "legacy_index_keys_deleted": 0,
         },
         "errors": [],
     }
@@ -215,42 +224,38 @@ def _keep_under_capacity(
     for _ in range(_MAX_ROUNDS):
         if used <= capacity:
             break
-        # The oldest entries overall are among each index's oldest `need` entries
-        # (plus those a lease holds back, which stay at the front).
+        # The oldest runs overall are among each index's oldest `need` runs (plus
+        # those a lease holds back, which stay at the front). A run holds at least
+        # one block, so `need` runs always free enough.
         candidates: list[tuple[float, str, str, bytes, int]] = []
         for dep in deployments:
             need = math.ceil((used - capacity) / dep.object_bytes)
             for rank in dep.rank_digests:
                 held = leased_per_index[(dep.model_digest, rank)]
                 n = min(need + held, _EVICT_BATCH + held)
-                for member, score in index.oldest(dep.model_digest, rank, n):
-                    if (dep.model_digest, rank, member) not in leased:
-                        candidates.append((score, dep.model_digest, rank, member, dep.object_bytes))
-        if not candidates:  # every entry left is leased
+                for run_id, score in index.oldest(dep.model_digest, rank, n):
+                    if (dep.model_digest, rank, run_id) not in leased:
+                        candidates.append((score, dep.model_digest, rank, run_id, dep.object_bytes))
+        if not candidates:  # every run left is leased
             break
         candidates.sort()
-        for _score, model, rank, member, size in candidates:
+        for _score, model, rank, run_id, size in candidates:
             if used <= capacity:
                 break
-            outcome = leases.gc_unindex(model, rank, member)
-            if outcome == 0:  # a live read lease: this one stays
-                leased.add((model, rank, member))
+            removed = leases.gc_unindex_run(model, rank, run_id)
+            if removed == -1:  # a live read lease: this one stays
+                leased.add((model, rank, run_id))
                 leased_per_index[(model, rank)] += 1
                 report["skipped_leased"] += 1
                 continue
-            used -= size
-            if outcome == 1:
-                # The entry is gone, so no new reader can lease it: now the object.
-                report["evicted_objects"] += 1
-                report["evicted_bytes"] += size
-                try:
-                    key = object_key(rank, member.hex())
-                    split_key(key)
-                except ValueError:  # not a block hash: there is no object to delete
-                    continue
-                if not s3.delete(key):
-                    report["delete_failed"] += 1  # left for the orphan sweep
-            # outcome -1: someone else removed the entry (a corrupt object); it no longer counts.
+            if removed == -2:  # someone else removed it; it no longer counts
+                continue
+            # The entries are gone, so no new reader can lease the run: now the object.
+            used -= removed * size
+            report["evicted_objects"] += 1
+            report["evicted_bytes"] += removed * size
+            if not s3.delete_run(rank, run_id.hex()):
+                report["delete_failed"] += 1  # left for the orphan sweep
         used = _used_bytes(index, deployments)  # writers go on while we work
     report["used_bytes_after"] = used
 
@@ -258,7 +263,7 @@ def _keep_under_capacity(
 def _find_model(redis: GuardedRedis, rank: str) -> str | None:
     """The deployment digest of an index named for `rank`, for a rank the registry
     does not list (its deployment never registered, or was flushed). None: no index."""
-    pattern = index_key("*", rank)
+    pattern = runs_key("*", rank)
 
     def scan() -> str | None:
         for raw in redis.client.scan_iter(match=pattern, count=1000):
@@ -269,9 +274,13 @@ def _find_model(redis: GuardedRedis, rank: str) -> str | None:
     return redis.call("scan", scan)
 
 
+# A run object as the sweep sees it: (rank digest, run hex).
+RunName = tuple[str, str]
+
+
 class _OrphanFinder:
-    """Which of a list of objects no index entry names. The deployment of a rank the
-    registry does not list is looked up once, by the name of its index."""
+    """Which of a list of run objects the index holds no record of. The deployment of
+    a rank the registry does not list is looked up once, by the name of its index."""
 
     def __init__(self, redis: GuardedRedis, deployments: list[Deployment]):
         self.redis = redis
@@ -279,41 +288,39 @@ class _OrphanFinder:
             rank: dep.model_digest for dep in deployments for rank in dep.rank_digests
         }
 
-    def unindexed(self, keys: list[str]) -> list[str]:
+    def unindexed(self, runs: list[RunName]) -> list[RunName]:
         by_rank: dict[str, list[str]] = defaultdict(list)
-        for key in keys:
-            rank, block = key.split("/")
-            by_rank[rank].append(block)
-        found: list[str] = []
-        for rank, blocks in by_rank.items():
+        for rank, run in runs:
+            by_rank[rank].append(run)
+        found: list[RunName] = []
+        for rank, names in by_rank.items():
             if rank not in self.model_of:
                 self.model_of[rank] = _find_model(self.redis, rank)
             model = self.model_of[rank]
             if model is None:
-                found.extend(object_key(rank, block) for block in blocks)
+                found.extend((rank, run) for run in names)
                 continue
-            zkey = index_key(model, rank)
-            members = [bytes.fromhex(block) for block in blocks]
+            zkey = runs_key(model, rank)
+            members = [bytes.fromhex(run) for run in names]
             scores = self.redis.call(
                 "orphan_check", lambda k=zkey, m=members: self.redis.client.zmscore(k, m)
             )
-            missing = [block for block, score in zip(blocks, scores, strict=True) if score is None]
-            found.extend(object_key(rank, block) for block in missing)
+            found.extend((rank, run) for run, score in zip(names, scores, strict=True) if score is None)
         return found
 
 
 def _old_unindexed(
     s3: S3Tier, finder: _OrphanFinder, cutoff: float, counts: dict[str, Any]
-) -> Iterator[list[str]]:
-    """Batch by batch, the objects older than `cutoff` that no index entry names;
-    what is listed is counted in `counts` ("scanned", "too_young")."""
-    batch: list[str] = []
-    for key, _size, modified in s3.list_objects():
+) -> Iterator[list[RunName]]:
+    """Batch by batch, the run objects older than `cutoff` that the index holds no
+    record of; what is listed is counted in `counts` ("scanned", "too_young")."""
+    batch: list[RunName] = []
+    for rank, run, _size, modified in s3.list_runs():
         counts["scanned"] += 1
         if modified.timestamp() > cutoff:
             counts["too_young"] += 1
             continue
-        batch.append(key)
+        batch.append((rank, run))
         if len(batch) >= SWEEP_BATCH:
             yield finder.unindexed(batch)
             batch = []
@@ -330,6 +337,7 @@ def _sweep_orphans(
     force: bool = False,
 ) -> None:
     orphans = report["orphans"]
+    sweep_legacy(redis, s3, cutoff, orphans, delete_objects)
     finder = _OrphanFinder(redis, deployments)
     # Count first, deleting nothing: whether the index can be trusted is known only
     # once the whole bucket has been compared with it.
@@ -343,7 +351,7 @@ def _sweep_orphans(
         return
     # Listed and checked again: an entry written since the count keeps its object.
     for found in _old_unindexed(s3, finder, cutoff, {"scanned": 0, "too_young": 0}):
-        deleted, failed = delete_objects(s3, found)
+        deleted, failed = delete_objects(s3, [s3.run_name(rank, run) for rank, run in found])
         orphans["deleted"] += deleted
         orphans["delete_failed"] += failed
 
@@ -365,15 +373,16 @@ def _refuse_sweep(orphans: dict[str, Any], old: int) -> None:
     orphans["refused"] = message
 
 
-def delete_objects(s3: S3Tier, keys: Iterable[str]) -> tuple[int, int]:
-    """Delete objects in batches of up to 1000 per request: (deleted, failed)."""
+def delete_objects(s3: S3Tier, names: Iterable[str]) -> tuple[int, int]:
+    """Delete objects (by their full names in the bucket) in batches of up to 1000
+    per request: (deleted, failed)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    keys = list(keys)
+    names = list(names)
     deleted = failed = 0
-    for start in range(0, len(keys), SWEEP_BATCH):
-        chunk = keys[start : start + SWEEP_BATCH]
-        request = {"Objects": [{"Key": s3.object_name(key)} for key in chunk], "Quiet": True}
+    for start in range(0, len(names), SWEEP_BATCH):
+        chunk = names[start : start + SWEEP_BATCH]
+        request = {"Objects": [{"Key": name} for name in chunk], "Quiet": True}
         try:
             response = s3.client.delete_objects(Bucket=s3.bucket, Delete=request)
         except (BotoCoreError, ClientError) as error:
@@ -425,16 +434,16 @@ def _save_registry_snapshot(s3: S3Tier, deployments: list[Deployment]) -> None:
         log.warning("could not save the registry's copy in S3: %s", type(error).__name__)
 
 
-def _leased_blocks(redis: GuardedRedis, model_digest: str) -> set[tuple[str, str]]:
-    """(rank digest, block hex) of every read lease key of a deployment now present."""
-    prefix = f"tc:{{{model_digest}}}:rl:"
+def _leased_runs(redis: GuardedRedis, model_digest: str) -> set[tuple[str, str]]:
+    """(rank digest, run hex) of every read lease key of a deployment now present."""
+    prefix = f"tc:{{{model_digest}}}:rl:"  # read_lease_prefix without the rank
 
     def scan() -> set[tuple[str, str]]:
         found = set()
         for raw in redis.client.scan_iter(match=prefix + "*", count=1000):
             name = raw.decode() if isinstance(raw, bytes) else raw
-            rank, _, block = name[len(prefix) :].partition(":")
-            found.add((rank, block))
+            rank, _, run = name[len(prefix) :].partition(":")
+            found.add((rank, run))
         return found
 
     return redis.call("scan", scan)
@@ -473,24 +482,24 @@ def flush_namespace(
         for dep in registered_deployments(res.redis):
             if dep.namespace != namespace:
                 continue
-            leased = _leased_blocks(res.redis, dep.model_digest)
+            leased = _leased_runs(res.redis, dep.model_digest)
             report["index_entries_removed"] += index.drop_deployment(dep)
             report["deployments"].append({"model_digest": dep.model_digest, "model": dep.model})
             if res.s3 is not None:
                 for rank in dep.rank_digests:
                     try:
-                        keys = []
-                        for key, _size, _modified in res.s3.list_objects(rank):
-                            if (rank, key.split("/")[1]) in leased:
+                        names = []
+                        for _rank, run, _size, _modified in res.s3.list_runs(rank):
+                            if (rank, run) in leased:
                                 report["s3_skipped_leased"] += 1
                             else:
-                                keys.append(key)
+                                names.append(res.s3.run_name(rank, run))
                     except Exception as error:
                         if not _is_s3_error(error):
                             raise
                         report["errors"].append(f"s3 listing failed: {type(error).__name__}")
                         continue
-                    deleted, failed = delete_objects(res.s3, keys)
+                    deleted, failed = delete_objects(res.s3, names)
                     report["s3_objects_deleted"] += deleted
                     report["s3_delete_failed"] += failed
             if config.disk is not None:

@@ -1,15 +1,15 @@
 """`tiercache gc --reindex`: rebuild the S3 tier's index from the objects, after Redis
 lost it (see s3_gc.py's "Lost index"). The registry comes back first, from the copy
-each GC pass keeps in the bucket; then every object of a registered deployment whose
-header names its own key, rank and size is indexed again."""
+each GC pass keeps in the bucket; then every run object of a registered deployment
+whose table of contents names its own run, rank and size gets its entries back: one
+per block, at its position, and the run's record (tiers/s3_runs.py)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 from tiercache.config import TierCacheConfig
-from tiercache.index import REGISTRY, Deployment, index_key
+from tiercache.index import REGISTRY, Deployment, RunRecord, index_keys, location
 from tiercache.redis_conn import GuardedRedis
 from tiercache.s3_gc import (
     SWEEP_BATCH,
@@ -18,8 +18,9 @@ from tiercache.s3_gc import (
     load_registry_snapshot,
     registered_deployments,
 )
-from tiercache.tiers.format import DATA_ALIGN, CorruptObject, ObjectHeader, decode_header, header_length
+from tiercache.tiers.format import CorruptObject
 from tiercache.tiers.s3 import S3Tier
+from tiercache.tiers.s3_runs import RunHeader
 
 
 def _restore_registry(redis: GuardedRedis, s3: S3Tier) -> int:
@@ -38,43 +39,27 @@ def _restore_registry(redis: GuardedRedis, s3: S3Tier) -> int:
     return restored
 
 
-def read_object_header(s3: S3Tier, key: str) -> tuple[ObjectHeader, int]:
-    """An object's safetensors header, and where its pages start, from ranged GETs
-    (one when the header fits its usual 4 KiB). Raises CorruptObject."""
-    name = s3.object_name(key)
-    head = _ranged_get(s3, name, 0, DATA_ALIGN)
-    end = 8 + header_length(head)
-    if end > len(head):
-        head += _ranged_get(s3, name, len(head), end)
-    if end > len(head):
-        raise CorruptObject(f"object shorter than its {end}-byte header")
-    return decode_header(head[8:end]), end
-
-
-def _ranged_get(s3: S3Tier, name: str, start: int, stop: int) -> bytes:
-    response = s3.client.get_object(Bucket=s3.bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
-    return response["Body"].read()
-
-
-def _check_object(s3: S3Tier, key: str, size: int) -> str:
-    """"ok" when the object's header is whole and names this very key, rank and size;
-    otherwise "corrupt", or "vanished" when it was deleted since it was listed."""
+def _check_run(s3: S3Tier, rank: str, run: str, size: int) -> tuple[str, RunHeader | None]:
+    """("ok", its table of contents) when a run's header is whole and names this very
+    run, rank and size; otherwise ("corrupt", None), or ("vanished", None) when it
+    was deleted since it was listed."""
     from botocore.exceptions import ClientError
 
     try:
-        header, data_offset = read_object_header(s3, key)
+        header = s3.read_run_header(rank, run)
     except CorruptObject:
-        return "corrupt"
+        return "corrupt", None
     except ClientError as error:
         code = error.response.get("Error", {}).get("Code")
         if code in ("NoSuchKey", "404"):
-            return "vanished"
+            return "vanished", None
         if code == "InvalidRange":  # an empty object
-            return "corrupt"
+            return "corrupt", None
         raise
-    rank = key.split("/")[0]
-    matches = header.key == key and header.namespace_digest == rank and data_offset + header.nbytes == size
-    return "ok" if matches else "corrupt"
+    whole = header.geometry.object_bytes(len(header.block_hashes)) == size
+    if header.run_hex == run and header.namespace_digest == rank and whole:
+        return "ok", header
+    return "corrupt", None
 
 
 def reindex(
@@ -86,12 +71,14 @@ def reindex(
     """Rebuild the S3 tier's index from the objects, after Redis lost it.
 
     The registry is restored first from the copy GC passes keep in the bucket. Then
-    each object of a registered deployment's rank, of that deployment's object size,
-    has its safetensors header read (ranged GETs, in parallel); an object whose header
-    is whole and names its own key and rank gets its index entry back, scored with its
-    last-modified time (an entry still present keeps its score). Corrupt objects and
-    those of unregistered deployments are counted and left for the sweep; the pages'
-    checksum is checked on the first read, as always. Failures are listed in "errors"."""
+    each run object of a registered deployment's rank has its table of contents read
+    (ranged GETs, in parallel); a run whose header is whole and names its own run,
+    rank and size gets its entries back: each block at its position (a block still
+    indexed elsewhere keeps that entry), the run's record, and its last access, its
+    last-modified time (a run still present keeps its own). "indexed" counts blocks.
+    Corrupt runs and those of unregistered deployments are counted and left for the
+    sweep; each block's checksum is checked on its first read, as always. Failures are
+    listed in "errors"."""
     report: dict[str, Any] = {
         "registry_restored": 0,
         "scanned": 0,
@@ -117,17 +104,14 @@ def _reindex_objects(
     redis: GuardedRedis, s3: S3Tier, deployments: list[Deployment], report: dict[str, Any]
 ) -> None:
     deployment_of = {rank: dep for dep in deployments for rank in dep.rank_digests}
-    batch: list[tuple[str, int, float, str]] = []
-    for key, size, modified in s3.list_objects():
+    batch: list[tuple[str, str, int, float, str]] = []
+    for rank, run, size, modified in s3.list_runs():
         report["scanned"] += 1
-        dep = deployment_of.get(key.split("/")[0])
+        dep = deployment_of.get(rank)
         if dep is None:
             report["unregistered"] += 1
             continue
-        if size != dep.object_bytes:
-            report["corrupt"] += 1
-            continue
-        batch.append((key, size, modified.timestamp(), dep.model_digest))
+        batch.append((rank, run, size, modified.timestamp(), dep.model_digest))
         if len(batch) >= SWEEP_BATCH:
             _reindex_batch(redis, s3, batch, report)
             batch = []
@@ -136,17 +120,36 @@ def _reindex_objects(
 
 
 def _reindex_batch(
-    redis: GuardedRedis, s3: S3Tier, batch: list[tuple[str, int, float, str]], report: dict[str, Any]
+    redis: GuardedRedis, s3: S3Tier, batch: list[tuple[str, str, int, float, str]], report: dict[str, Any]
 ) -> None:
-    outcomes = s3.pool.map(lambda item: _check_object(s3, item[0], item[1]), batch)
-    entries: dict[str, dict[bytes, float]] = defaultdict(dict)  # index key -> member -> score
-    for (key, _size, modified, model), outcome in zip(batch, outcomes, strict=True):
-        if outcome != "ok":
+    outcomes = s3.pool.map(lambda item: _check_run(s3, item[0], item[1], item[2]), batch)
+    for (rank, run, _size, modified, model), (outcome, header) in zip(batch, outcomes, strict=True):
+        if header is None:
             report[outcome] += 1
             continue
-        rank, block = key.split("/")
-        entries[index_key(model, rank)][bytes.fromhex(block)] = modified
-    for zkey, members in entries.items():
-        added = int(redis.call("reindex", lambda k=zkey, m=members: redis.client.zadd(k, m, nx=True)))
-        report["indexed"] += added
-        report["already_indexed"] += len(members) - added
+        run_id = bytes.fromhex(run)
+        geometry = header.geometry
+        record = RunRecord(
+            geometry.data_start, geometry.frame_header, geometry.slot_bytes, header.block_hashes
+        )
+        blk, runs, records = index_keys(model, rank)
+
+        def restore(
+            blk: str = blk,
+            runs: str = runs,
+            records: str = records,
+            record: RunRecord = record,
+            run_id: bytes = run_id,
+            modified: float = modified,
+        ) -> list[int]:
+            pipe = redis.client.pipeline(transaction=True)
+            for i, block in enumerate(record.block_hashes):
+                pipe.hsetnx(blk, block, location(run_id, i))
+            pipe.zadd(runs, {run_id: modified}, nx=True)
+            pipe.hset(records, run_id, record.encode())
+            return pipe.execute()
+
+        added = redis.call("reindex", restore)
+        indexed = sum(int(bool(x)) for x in added[: len(record.block_hashes)])
+        report["indexed"] += indexed
+        report["already_indexed"] += len(record.block_hashes) - indexed

@@ -47,6 +47,9 @@ SHM_DIR = "/dev/shm"
 # them would bind itself to the model's first core, undoing where it was placed (seen
 # inside vLLM: every upload thread was allowed on the model's core only).
 OPENMP_BINDING_ENV = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+# One block of a run to upload: its hash, its CPU slot (or None), a copy of its pages
+# when it has no slot, and its signed header.
+RunItem = tuple[bytes, int | None, bytes | None, ObjectHeader]
 # The worker signs each object's header before sending it here, so this process never
 # needs the integrity key: it gets it neither in its environment nor in its setup.
 SECRET_ENV = ("TIERCACHE_INTEGRITY_KEY",)
@@ -156,25 +159,32 @@ class UploadProcess:
             )
 
     def upload(self, block_hash: bytes, slot: int | None, data: bytes | None, header: ObjectHeader) -> bool:
-        """Upload the block in CPU slot `slot` (or `data`, a copy of one) to S3 and
-        index it. False when it was not stored, whatever the reason."""
+        """Upload one block as a run of its own (see upload_run)."""
+        return self.upload_run([(block_hash, slot, data, header)])[0]
+
+    def upload_run(self, blocks: list[RunItem]) -> list[bool]:
+        """Upload the blocks (each in CPU slot `slot`, or `data`, a copy of one) to S3
+        as one run and index them. Per block, False when it was not stored, whatever
+        the reason."""
+        nothing = [False] * len(blocks)
         future: Future = Future()
         with self._lock:
             if self._closed:
-                return False
+                return nothing
             if self._conn is None and (time.monotonic() < self._next_start or not self._start()):
-                return False
+                return nothing
             op_id = next(self._ids)
             self._pending[op_id] = future
             process = self._process
             assert self._conn is not None and process is not None  # set together by _start
             try:
-                self._conn.send(("put", op_id, block_hash, slot, data, header))
+                self._conn.send(("put_run", op_id, blocks))
             except OSError:
                 self._pending.pop(op_id, None)
-                return False
+                return nothing
         try:
-            return future.result(timeout=self.answer_timeout)
+            answer = future.result(timeout=self.answer_timeout)
+            return list(answer) if isinstance(answer, list) else nothing
         except TimeoutError:
             with self._lock:
                 self._pending.pop(op_id, None)
@@ -187,7 +197,7 @@ class UploadProcess:
             # reading it: it goes for good first (its other uploads report "not stored").
             process.kill()
             process.wait()
-            return False
+            return nothing
 
     def close(self, timeout: float = 10.0) -> None:
         """Let the process finish what it was sent, then stop it."""
@@ -242,17 +252,20 @@ def serve(conn: Connection) -> None:
     )
     send_lock = threading.Lock()
 
-    def put(op_id: int, block_hash: bytes, slot: int | None, data: bytes | None, header: ObjectHeader):
+    def put_run(op_id: int, blocks: list[RunItem]) -> None:
         try:
-            if data is not None:
-                view = memoryview(data)
-            else:
-                assert slot is not None  # data is given when there is no slot
-                view = slots[slot * setup.slot_bytes : (slot + 1) * setup.slot_bytes]
-            stored = writer.upload(block_hash, view, header)
+            run = []
+            for block_hash, slot, data, header in blocks:
+                if data is not None:
+                    view = memoryview(data)
+                else:
+                    assert slot is not None  # data is given when there is no slot
+                    view = slots[slot * setup.slot_bytes : (slot + 1) * setup.slot_bytes]
+                run.append((block_hash, view, header))
+            stored = writer.upload_run(run)
         except Exception:  # an answer must go back whatever a tier throws
-            log.exception("upload of block %s failed", block_hash.hex())
-            stored = False
+            log.exception("upload of a run of %d blocks failed", len(blocks))
+            stored = [False] * len(blocks)
         with send_lock, contextlib.suppress(OSError):  # OSError: the worker is gone
             conn.send(("done", op_id, stored))
 
@@ -264,7 +277,7 @@ def serve(conn: Connection) -> None:
                 break  # the worker is gone: nothing to answer to
             if message[0] == "stop":
                 break
-            pool.submit(put, *message[1:])
+            pool.submit(put_run, *message[1:])
 
 
 def main() -> None:

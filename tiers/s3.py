@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
 
 import boto3
 from botocore.config import Config as BotoConfig
@@ -14,7 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
-from tiercache.metrics import TIER_ERRORS, timed
+from tiercache.metrics import S3_BYTES, S3_REQUESTS, TIER_ERRORS, timed
 from tiercache.tiers import S3
 from tiercache.tiers.format import (
     CorruptObject,
@@ -24,6 +27,15 @@ from tiercache.tiers.format import (
     decode_header,
     header_length,
     verify,
+)
+from tiercache.tiers.s3_runs import (
+    FrameWant,
+    RunGeometry,
+    RunHeader,
+    decode_run_header,
+    parse_run_name,
+    read_frames,
+    run_object_name,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +68,34 @@ def make_client(config: S3TierConfig):
         response_checksum_validation="when_required",
     )
     # Credentials come from the standard AWS chain and never pass through here.
-    return boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=boto_config)
+    client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=boto_config)
+    count_requests(client)
+    return client
+
+
+# botocore operation names -> the `op` label of tiercache_s3_requests_total.
+_OPS = {
+    "PutObject": "put",
+    "GetObject": "get",
+    "HeadObject": "head",
+    "DeleteObject": "delete",
+    "DeleteObjects": "delete",
+    "ListObjectsV2": "list",
+    "ListObjects": "list",
+}
+
+
+def _count_request(event_name: str = "", **_: Any) -> None:
+    operation = event_name.rsplit(".", 1)[-1]
+    S3_REQUESTS.labels(_OPS.get(operation, "other")).inc()
+
+
+def count_requests(client: Any) -> None:
+    """Count every HTTP request the client sends (each retry too: each is billed).
+    botocore's "before-send" fires once per attempt; registering twice is harmless."""
+    events = getattr(getattr(client, "meta", None), "events", None)
+    if events is not None:  # a stand-in client (tests, tools) sends nothing to count
+        events.register("before-send.s3", _count_request, unique_id="tiercache-s3-requests")
 
 
 class S3Tier:
@@ -67,6 +106,7 @@ class S3Tier:
         self.integrity_key = integrity_key
         self.bucket = config.bucket
         self.client = client or make_client(config)
+        count_requests(self.client)
         self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
 
     def object_name(self, key: str) -> str:
@@ -90,6 +130,7 @@ class S3Tier:
         try:
             with timed(TIER, "put", len(data)):
                 self.client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body)
+            S3_BYTES.labels("up").inc(len(body))
             return True
         except (BotoCoreError, ClientError) as error:
             TIER_ERRORS.labels(TIER, _kind(error)).inc()
@@ -119,6 +160,7 @@ class S3Tier:
                 finally:
                     stream.close()
                 verify(header, out, self.integrity_key)
+            S3_BYTES.labels("down").inc(len(out))
             return Fetch.OK
         except ClientError as error:
             if _code(error) in _MISSING:
@@ -139,6 +181,112 @@ class S3Tier:
             TIER_ERRORS.labels(TIER, "io").inc()
             log.warning("s3 tier: get of %s broke off: %s", key, error)
             return Fetch.UNAVAILABLE
+
+    # -- runs: many blocks per object (s3_runs.py) ---------------------------------
+    def run_name(self, rank_digest: str, run_hex: str) -> str:
+        return run_object_name(self.config.prefix, rank_digest, run_hex)
+
+    def put_run(self, rank_digest: str, run_hex: str, parts: Sequence[memoryview]) -> bool:
+        """One PUT of a whole run (atomic). False on failure. The parts (views of CPU
+        slots) must not change until it returns."""
+        body = ObjectBody(*parts)
+        try:
+            with timed(TIER, "put", len(body)):
+                self.client.put_object(Bucket=self.bucket, Key=self.run_name(rank_digest, run_hex), Body=body)
+            S3_BYTES.labels("up").inc(len(body))
+            return True
+        except (BotoCoreError, ClientError) as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: dropped store of run %s/%s: %s", rank_digest, run_hex, _describe(error))
+            return False
+
+    def fetch_run(
+        self,
+        rank_digest: str,
+        run_hex: str,
+        geometry: RunGeometry,
+        wants: Sequence[FrameWant],
+        expect: PageShape | None = None,
+    ) -> list[Fetch]:
+        """One ranged GET of the frames wants[0].position..wants[-1].position (the
+        wants are consecutive), each block checked on its own: a Fetch per want. A
+        corrupt frame is CORRUPT alone; the run object is never deleted here, since its
+        other blocks may be good (the caller unindexes the bad ones)."""
+        first, last = wants[0].position, wants[-1].position
+        start, end = geometry.byte_range(first, last)
+        results: dict[int, Fetch] = {}
+        name = self.run_name(rank_digest, run_hex)
+        try:
+            with timed(TIER, "get", end - start + 1):
+                response = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end}")
+                stream = response["Body"]
+                try:
+                    for want, error in read_frames(stream, geometry, wants, expect, self.integrity_key):
+                        if error is not None:
+                            TIER_ERRORS.labels(TIER, "corrupt").inc()
+                            log.warning("s3 tier: corrupt block %s in run %s: %s", want.key, name, error)
+                        results[want.position] = Fetch.OK if error is None else Fetch.CORRUPT
+                finally:
+                    stream.close()
+            S3_BYTES.labels("down").inc(end - start + 1)
+        except ClientError as error:
+            code = _code(error)
+            if code in _MISSING:
+                return [Fetch.MISSING] * len(wants)
+            if code in ("InvalidRange", "416"):  # shorter than its index entry says
+                return [results.get(w.position, Fetch.CORRUPT) for w in wants]
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: get of run %s failed: %s", name, _describe(error))
+        except BotoCoreError as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: get of run %s failed: %s", name, _describe(error))
+        except CorruptObject as error:  # the body ended early: the frame it ended in and after
+            TIER_ERRORS.labels(TIER, "corrupt").inc()
+            log.warning("s3 tier: run %s truncated: %s", name, error)
+            return [results.get(w.position, Fetch.CORRUPT) for w in wants]
+        except OSError as error:  # a connection cut mid-body
+            TIER_ERRORS.labels(TIER, "io").inc()
+            log.warning("s3 tier: get of run %s broke off: %s", name, error)
+        return [results.get(w.position, Fetch.UNAVAILABLE) for w in wants]
+
+    def read_run_header(self, rank_digest: str, run_hex: str) -> RunHeader:
+        """A run's table of contents, from ranged GETs (one when it fits 4 KiB, as it
+        does for up to about 40 blocks). Raises CorruptObject, or ClientError."""
+        name = self.run_name(rank_digest, run_hex)
+        head = self._ranged_get(name, 0, 4096)
+        end = 8 + header_length(head[:8])
+        if end > len(head):
+            head += self._ranged_get(name, len(head), end)
+        if end > len(head):
+            raise CorruptObject(f"run shorter than its {end}-byte header")
+        return decode_run_header(head[8:end])
+
+    def _ranged_get(self, name: str, start: int, stop: int) -> bytes:
+        response = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
+        data = response["Body"].read()
+        S3_BYTES.labels("down").inc(len(data))
+        return data
+
+    def delete_run(self, rank_digest: str, run_hex: str) -> bool:
+        try:
+            with timed(TIER, "delete"):
+                self.client.delete_object(Bucket=self.bucket, Key=self.run_name(rank_digest, run_hex))
+            return True
+        except (BotoCoreError, ClientError) as error:
+            TIER_ERRORS.labels(TIER, _kind(error)).inc()
+            log.warning("s3 tier: delete of run %s/%s failed: %s", rank_digest, run_hex, _describe(error))
+            return False
+
+    def list_runs(self, digest: str | None = None) -> Iterator[tuple[str, str, int, datetime]]:
+        """Yield (rank digest, run hex, size, last_modified) of every run object under
+        the prefix (of one rank digest when given). Runs are spread over hashed
+        leading folders, so this lists the whole prefix and filters."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.config.prefix):
+            for item in page.get("Contents", ()):
+                parsed = parse_run_name(self.config.prefix, item["Key"])
+                if parsed is not None and (digest is None or parsed[0] == digest):
+                    yield parsed[0], parsed[1], item["Size"], item["LastModified"]
 
     name = TIER
 
@@ -169,7 +317,9 @@ class S3Tier:
             return False
 
     def list_objects(self, digest: str | None = None):
-        """Yield (key, size, last_modified) for every tiercache object under the prefix."""
+        """Yield (key, size, last_modified) for every per-block object under the prefix:
+        what tiercache wrote before runs (issue 18), and what `put` still writes. The
+        tier engine neither writes nor reads them any more: GC reclaims them."""
         prefix = self.config.prefix + (f"{digest}/" if digest else "")
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
@@ -190,15 +340,20 @@ class S3Tier:
 
 
 class ObjectBody:
-    """An object's bytes, its header then its pages, as the seekable stream botocore
-    takes for a request body, handing out views rather than copies. botocore hashes
-    the body (SigV4 over plain http) and the socket sends it straight from the CPU
-    tier's slot: assembling one buffer first was another pass over every byte, and on
-    a small host the model's decode is bound by the same memory bus."""
+    """An object's bytes (its parts: a header then its pages, or a run's frames) as
+    the seekable stream botocore takes for a request body, handing out views rather
+    than copies. botocore hashes the body (SigV4 over plain http) and the socket
+    sends it straight from the CPU tier's slot: assembling one buffer first was
+    another pass over every byte, and on a small host the model's decode is bound by the same memory bus."""
 
-    def __init__(self, preamble: bytes, data: memoryview):
-        self._parts = (memoryview(preamble), memoryview(data).cast("B"))
-        self._size = len(self._parts[0]) + len(self._parts[1])
+    def __init__(self, *parts: bytes | memoryview):
+        self._parts = [memoryview(part).cast("B") for part in parts]
+        self._starts = []
+        start = 0
+        for part in self._parts:
+            self._starts.append(start)
+            start += len(part)
+        self._size = start
         self._position = 0
 
     def __len__(self) -> int:
@@ -220,14 +375,12 @@ class ObjectBody:
             while chunk := self.read(self._size):
                 chunks.append(bytes(chunk))
             return b"".join(chunks)
-        head = len(self._parts[0])
-        if self._position < head:
-            part, start = self._parts[0], self._position
-        else:
-            part, start = self._parts[1], self._position - head
-        chunk = part[start : start + size]
-        self._position += len(chunk)
-        return chunk
+        for part, begins in zip(self._parts, self._starts, strict=True):
+            if self._position < begins + len(part):
+                chunk = part[self._position - begins : self._position - begins + size]
+                self._position += len(chunk)
+                return chunk
+        return b""
 
 
 def _read_exact(stream, n: int) -> bytes:
