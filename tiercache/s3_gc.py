@@ -162,19 +162,37 @@ def run_gc(
         },
         "errors": [],
     }
-    if config.s3 is None or config.redis_url is None:
-        report["errors"].append("s3 is not configured: there is nothing to collect")
-        return report
-    with PassClients(config, redis, s3) as res, failures_reported(report):
-        assert res.redis is not None and res.s3 is not None  # both configured (checked above)
-        deployments = registered_deployments(res.redis)
-        _save_registry_snapshot(res.s3, deployments)
-        mine = [d for d in deployments if d.namespace == config.namespace]
-        _keep_under_capacity(res.redis, res.s3, config, mine, report)
-        if sweep_orphans:
-            _sweep_orphans(res.redis, res.s3, deployments, now - grace_seconds, report, force_sweep)
+    with s3_pass(config, redis, s3, report, "collect") as clients:
+        if clients is not None:
+            redis, s3 = clients
+            deployments = registered_deployments(redis)
+            _save_registry_snapshot(s3, deployments)
+            mine = [d for d in deployments if d.namespace == config.namespace]
+            _keep_under_capacity(redis, s3, config, mine, report)
+            if sweep_orphans:
+                _sweep_orphans(redis, s3, deployments, now - grace_seconds, report, force_sweep)
     report["duration_seconds"] = round(time.monotonic() - started, 3)
     return report
+
+
+@contextlib.contextmanager
+def s3_pass(
+    config: TierCacheConfig,
+    redis: GuardedRedis | None,
+    s3: S3Tier | None,
+    report: dict[str, Any],
+    doing: str,
+) -> Iterator[tuple[GuardedRedis, S3Tier] | None]:
+    """The clients of a pass over S3 and its index (GC, re-index), or None, noted in
+    the report's "errors", where either is not configured. Failures end the pass and
+    are listed there too (failures_reported)."""
+    if config.s3 is None or config.redis_url is None:
+        report["errors"].append(f"s3 is not configured: there is nothing to {doing}")
+        yield None
+        return
+    with PassClients(config, redis, s3) as res, failures_reported(report):
+        assert res.redis is not None and res.s3 is not None  # both configured (checked above)
+        yield res.redis, res.s3
 
 
 @contextlib.contextmanager

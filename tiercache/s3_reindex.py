@@ -13,10 +13,9 @@ from tiercache.index import REGISTRY, Deployment, RunRecord, index_keys, locatio
 from tiercache.redis_conn import GuardedRedis
 from tiercache.s3_gc import (
     SWEEP_BATCH,
-    PassClients,
-    failures_reported,
     load_registry_snapshot,
     registered_deployments,
+    s3_pass,
 )
 from tiercache.tiers.format import CorruptObject
 from tiercache.tiers.s3 import S3Tier
@@ -89,14 +88,12 @@ def reindex(
         "unregistered": 0,
         "errors": [],
     }
-    if config.s3 is None or config.redis_url is None:
-        report["errors"].append("s3 is not configured: there is nothing to index")
-        return report
-    with PassClients(config, redis, s3) as res, failures_reported(report):
-        assert res.redis is not None and res.s3 is not None  # both configured (checked above)
-        report["registry_restored"] = _restore_registry(res.redis, res.s3)
-        deployments = registered_deployments(res.redis)
-        _reindex_objects(res.redis, res.s3, deployments, report)
+    with s3_pass(config, redis, s3, report, "index") as clients:
+        if clients is not None:
+            redis, s3 = clients
+            report["registry_restored"] = _restore_registry(redis, s3)
+            deployments = registered_deployments(redis)
+            _reindex_objects(redis, s3, deployments, report)
     return report
 
 
