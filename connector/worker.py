@@ -445,6 +445,8 @@ class TierCacheWorker:
 
     def _end_groups(self, meta: TierCacheMetadata) -> None:
         """Requests whose stores are all queued now: their partial S3 runs may ship."""
+        if self.engine is None:
+            return
         for req_id in meta.stores_done:
             self.engine.end_group(req_id)
 

@@ -553,6 +553,57 @@ def test_soak_for_a_minute_through_every_tier(tmp_path):
     assert summary["gc_errors"] == 0 and summary["redis_restarts"] >= 1
 
 
+@pytest.mark.parametrize("removed_by", ["delete", "eviction"])
+def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path, monkeypatch, removed_by):
+    """Two movers storing one block (the soak found 97 files in a 96-object tier): the
+    second writer had checked the key before the first counted it and was still
+    writing when the object was removed. Its file, renamed between the removal's unlink
+    and its forgetting the key, stayed on disk counted by nothing. Here the second
+    writer renames its file exactly there."""
+    from tiercache.tiers import disk as disk_module
+    from tiercache.tiers.disk import DiskTier
+
+    shape = ObjectShape("5" * 16, "6" * 16, SLOT)
+    tier = DiskTier(tmp_path, shape.object_bytes)  # room for one object
+    block, other = b"k" * 32, b"j" * 32
+    key = shape.key(block)
+
+    def put(b: bytes) -> bool:
+        data = memoryview(block_payload(b, SLOT))
+        return tier.put(shape.key(b), data, shape.header(b, data))
+
+    real_replace, real_unlink = os.replace, os.unlink
+    go = threading.Event()
+    second = threading.Thread(target=put, args=(block,), name="second-writer")
+
+    def replace(src, dst):
+        if threading.current_thread() is second:
+            go.wait(10)  # checked the key before the first writer counted it; still writing
+        real_replace(src, dst)
+
+    def unlink(path):
+        real_unlink(path)
+        if path == tier.layout.path(key) and not go.is_set():
+            go.set()  # the second writer renames its file now, and finishes
+            second.join(10)
+
+    monkeypatch.setattr(disk_module.os, "replace", replace)
+    monkeypatch.setattr(disk_module.os, "unlink", unlink)
+    second.start()
+    time.sleep(0.2)  # the second writer is waiting in its rename
+    assert put(block)  # the first writer stores and counts the block
+    if removed_by == "delete":
+        tier.delete(key)
+    else:
+        assert put(other)  # room for one: the block is evicted
+    second.join(10)
+    files = {p.name for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".tmp-")}
+    stored = tier.keys()
+    counted = {Path(tier.layout.path(k)).name for k in stored}
+    assert files == counted
+    assert tier.usage_bytes() <= shape.object_bytes
+
+
 def test_concurrent_disk_writers_never_overshoot_capacity(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 

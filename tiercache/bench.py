@@ -341,7 +341,9 @@ def _bench_s3(
             raw_bodies = [h.encode() + row.tobytes() for h, row in zip(headers, rows, strict=True)]
 
             def tier_put(items: range, hashes=hashes, headers=headers) -> None:
-                done = pool.map(lambda i: engine.s3_writer.upload(hashes[i], rows[i], headers[i]), items)
+                writer = engine.s3_writer
+                assert writer is not None  # the bench config has S3 and Redis
+                done = pool.map(lambda i: writer.upload(hashes[i], rows[i], headers[i]), items)
                 if not all(done):
                     raise RuntimeError("s3 tier refused a put")
 
@@ -406,9 +408,9 @@ def _bench_lookup(redis_url: str, progress: _Progress) -> dict[str, dict[str, fl
         for n in LOOKUP_SIZES:
             hashes = _hashes(n, 300 + n)
             guarded.client.delete(*keys)
-            for start in range(0, n, 16):  # runs of 16, as tiercache writes them
-                run = start.to_bytes(8, "big")
-                index.add_run(model, rank, run, RunRecord(0, 0, 0, tuple(hashes[start : start + 16])))
+            for first in range(0, n, 16):  # runs of 16, as tiercache writes them
+                run = first.to_bytes(8, "big")
+                index.add_run(model, rank, run, RunRecord(0, 0, 0, tuple(hashes[first : first + 16])))
             for _ in range(5):  # warm-up: script loaded, connection open
                 assert index.longest_prefix(model, [rank], hashes) == n
             guarded.client.execute_command = counting

@@ -158,7 +158,7 @@ def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
 def inspect_key(key: str, config: TierCacheConfig, console: Console) -> int:
     from tiercache.index import RedisIndex, runs_key
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-    from tiercache.s3_gc import registered_deployments
+    from tiercache.s3_pass import registered_deployments
 
     rank, block = split_key(key)
     table = Table(title=key, show_header=False)
@@ -286,7 +286,7 @@ def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: in
     """Where the longest cached prefix of a prompt lives, per deployment and tier."""
     from tiercache.index import RedisIndex
     from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-    from tiercache.s3_gc import registered_deployments
+    from tiercache.s3_pass import registered_deployments
     from tiercache.tiers.disk import DiskLayout
 
     try:

@@ -11,7 +11,7 @@ from typing import Any
 from tiercache.config import TierCacheConfig
 from tiercache.index import REGISTRY, Deployment, RunRecord, index_keys, location
 from tiercache.redis_conn import GuardedRedis
-from tiercache.s3_gc import (
+from tiercache.s3_pass import (
     SWEEP_BATCH,
     load_registry_snapshot,
     registered_deployments,

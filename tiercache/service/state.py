@@ -20,7 +20,8 @@ from tiercache.errors import GcBusy
 from tiercache.index import Deployment, RedisIndex
 from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
-from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, gc_redis_client, registered_deployments, run_gc
+from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, run_gc
+from tiercache.s3_pass import gc_redis_client, registered_deployments
 from tiercache.service.models import (
     MAX_LOOKUP_HASHES,
     DeploymentHit,

@@ -8,7 +8,7 @@ from typing import Any
 from tiercache.config import TierCacheConfig, redact_url
 from tiercache.index import Deployment, RedisIndex
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.s3_gc import registered_deployments
+from tiercache.s3_pass import registered_deployments
 from tiercache.tiers.disk import DiskLayout
 
 # The namespace disk objects are counted under when no registered deployment names them.
