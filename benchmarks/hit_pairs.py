@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "disk": {"path": str(disk)},
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "pairs/"},
-            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off", "yield_to_loads": True},
         }
         items = warm_up(lengths, connector=True)
         for key, ids in asks.items():
@@ -154,7 +154,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.rounds):
         for key, ids in asks.items():
             items += [RESET, request(name("disk", key, i), ids), RESET, request(name("cpu", key, i), ids)]
-    disk_only = {"cpu": small_cpu, "disk": {"path": str(disk)}, "movers": {"cost_model": "off"}}
+    disk_only = {
+        "cpu": small_cpu,
+        "disk": {"path": str(disk)},
+        "movers": {"cost_model": "off", "yield_to_loads": True},
+    }
     runner.run(
         "tiercache_disk", items, kv_transfer_config=tiercache_kv(disk_only), counters=LOADED_BLOCKS
     )

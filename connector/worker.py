@@ -212,7 +212,8 @@ class TierCacheWorker:
         # hits reported at the end of the last step): on the CPU backend the movers'
         # writes wait for its end, off the memory bus it is bound by (foreground.py).
         loads_hits = self._layerwise or any(not job.is_async for job in meta.loads)
-        if loads_hits and self.engine is not None and self.copier is not None and not self.copier.on_cuda:
+        on_cpu_backend = self.copier is not None and not self.copier.on_cuda
+        if loads_hits and on_cpu_backend and self.engine is not None and self.config.movers.yield_to_loads:
             self.engine.foreground.hold()
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:

@@ -89,11 +89,17 @@ def test_the_engine_writes_nothing_down_while_the_gate_is_held(tmp_path):
         engine.close()
 
 
-def cpu_backend_worker(tmp_path) -> TierCacheWorker:
+def cpu_backend_worker(tmp_path, yield_to_loads: bool = True) -> TierCacheWorker:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     kv = {name: torch.randn(8, 2, 16, 8) for name in layers}
     slot_bytes = PagedKVCopier(kv, 8).slot_bytes
-    config = build_config({"cpu": {"capacity": 4 * slot_bytes}, "disk": {"path": str(tmp_path / "disk")}})
+    config = build_config(
+        {
+            "cpu": {"capacity": 4 * slot_bytes},
+            "disk": {"path": str(tmp_path / "disk")},
+            "movers": {"yield_to_loads": yield_to_loads},
+        }
+    )
     spec = KVSpec("m", "", "float32", "auto", 16, "cpu", 2, 2, 8, 1, 0, "t", slot_bytes)
     worker = TierCacheWorker(config, spec, "gate", 8, tp_rank=0, writes_lower_tiers=True, disk_share=1 << 24)
     worker.register_kv_caches(kv, slot_bytes)
@@ -118,5 +124,16 @@ def test_the_worker_holds_the_gate_for_a_forward_that_loads_a_hit_and_only_then(
         worker.wait_for_save(hit)
         assert not gate.held
         worker.get_finished()
+    finally:
+        worker.shutdown()
+
+
+def test_by_default_the_worker_never_holds_the_gate(tmp_path):
+    worker = cpu_backend_worker(tmp_path, yield_to_loads=False)
+    try:
+        hit = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(b"h" * 32, 5, 0, CPU)], False)])
+        worker.forward_begins(hit)
+        assert not worker.engine.foreground.held
+        worker.wait_for_save(hit)
     finally:
         worker.shutdown()
