@@ -439,7 +439,13 @@ class TierCacheWorker:
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
             if self.writes_lower_tiers:
-                self.engine.write_down(op.block_hash, op.slot, self._after_write, group=op.req_id or None)
+                self.engine.write_down(
+                    op.block_hash,
+                    op.slot,
+                    self._after_write,
+                    group=op.req_id or None,
+                    on_slot_free=self._slot_free,
+                )
             else:
                 self._emit(RELEASED, op.slot)
         self._end_groups(meta)
@@ -453,6 +459,12 @@ class TierCacheWorker:
 
     def _after_write(self, result: WriteResult) -> None:
         """Runs on a mover thread when a block's write-down ended, stored or not."""
+        if not result.slot_freed:  # else _slot_free reported all the scheduler tracks
+            self._slot_free(result)
+
+    def _slot_free(self, result: WriteResult) -> None:
+        """The movers read the block's slot for the last time (an S3 run it waits for
+        uploads from a copy): the disk's answer and the slot go to the scheduler now."""
         if result.stored.get(DISK):
             self._emit(ON_DISK, result.block_hash)
         if result.slot is not None:

@@ -369,17 +369,14 @@ def tiers(workdir, redis_url, s3_endpoint) -> dict:
         "redis_url": redis_url,
         "cpu": {"capacity": CPU_TIER_SLOTS * KV_BLOCK_BYTES},
         "disk": {"path": str(workdir / "disk")},
-        # One object per block: S3 runs keep a block's CPU slot pinned until its run's
-        # PUT is done, and in this 48-slot tier that left the cold server 0-1 CPU-tier
-        # hits against 20 per block (issue 18, left open: the packer should copy blocks
-        # out of their slots). Runs under load are covered by test_runs.py and the S3
-        # cases of test_e2e_vllm.py.
+        # S3 runs of 16 blocks (the default): a block waiting for its run is copied
+        # out of its CPU slot, else this 48-slot tier stays pinned and the cold
+        # server serves next to no CPU-tier hits (issue 18).
         "s3": {
             "bucket": "tc-load",
             "endpoint_url": s3_endpoint,
             "region": "us-east-1",
             "prefix": "load/",
-            "pack_blocks": 1,
         },
     })
 

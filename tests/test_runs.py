@@ -123,6 +123,38 @@ def test_packing_writes_one_object_per_run_of_blocks(engines):
     assert [p for _, p in positions] == [*range(8), *range(8), *range(4)]
 
 
+def test_a_block_waiting_for_its_run_gives_its_slot_back_and_uploads_its_own_bytes(engines):
+    # A run gathers blocks for a whole prefill. Held in their CPU slots, a serving
+    # load's cold requests pinned most of the CPU tier and it served almost no hits
+    # (tests/test_e2e_serve_load.py); the blocks now wait as copies.
+    engine = engines(pack=16)
+    freed: list[int] = []
+    ended: list[bool] = []
+    puts = requests("put")
+    for i in range(5):
+        engine.buffer.view(i)[:] = data(4, i)
+        engine.write_down(
+            block(4, i),
+            i,
+            lambda result: ended.append(bool(result.stored.get(S3))),
+            tiers=(S3,),
+            group="req-4",
+            on_slot_free=lambda result: freed.append(result.slot),
+        )
+    deadline = time.monotonic() + 10
+    while len(freed) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(freed) == [0, 1, 2, 3, 4]
+    assert requests("put") == puts and not ended  # the run is still gathering
+    for i in range(5):
+        engine.buffer.view(i)[:] = b"\xee" * BLOCK  # the slots are reused
+    engine.end_group("req-4")
+    assert engine.flush(30)
+    assert ended == [True] * 5
+    assert requests("put") - puts == 1
+    assert load(engine, 4, 0, 5) == [True] * 5
+
+
 def test_pack_size_one_writes_one_object_per_block(engines):
     engine = engines(pack=1)
     puts = requests("put")

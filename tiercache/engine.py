@@ -44,6 +44,9 @@ class WriteResult:
     block_hash: bytes
     slot: int | None
     stored: dict[str, bool] = field(default_factory=dict)  # tier -> now holds the object
+    # on_slot_free ran: the engine read the slot for the last time and reported then
+    # what the disk said; S3's answer comes later, to on_done.
+    slot_freed: bool = False
 
 
 @dataclass
@@ -191,10 +194,18 @@ class TierEngine:
         data: bytes | None = None,
         tiers: tuple[str, ...] = (DISK, S3),
         group: Hashable = None,
+        on_slot_free: Callable[[WriteResult], None] | None = None,
     ) -> bool:
         """Queue a copy of the block (slot `slot` of the buffer, or `data`) to the lower
         tiers. False if the queue is full: the write is dropped and on_done is called
-        with nothing stored. The slot must stay unchanged until on_done runs.
+        with nothing stored. The slot must stay unchanged until on_done runs, or until
+        on_slot_free runs when it is given.
+
+        A block bound for S3 may wait in the run packer for the rest of its run, which
+        can take a whole prefill. With `on_slot_free`, such a block is copied out of its
+        slot once the disk has it, and on_slot_free(result) says the slot is free then
+        (with `slot_freed` set and the disk's answer in `stored`), so a run being
+        gathered never keeps the CPU tier's slots pinned.
 
         When `upload_slot_limit` slots are already held for S3 uploads, a block from a
         slot goes to disk only: its S3 write is dropped, counted, and reported as not
@@ -228,7 +239,7 @@ class TierEngine:
         if not tiers:
             on_done(result)
             return False
-        self._movers.submit(self._write_task, result, data, tiers, on_done, group, number)
+        self._movers.submit(self._write_task, result, data, tiers, on_done, group, number, on_slot_free)
         return True
 
     def end_group(self, group: Hashable) -> None:
@@ -241,7 +252,7 @@ class TierEngine:
         """Write-downs queued or running (each to every tier it goes to)."""
         return self._queued
 
-    def _write_task(self, result, data, tiers, on_done, group=None, number=0) -> None:
+    def _write_task(self, result, data, tiers, on_done, group=None, number=0, on_slot_free=None) -> None:
         upload = None
         self.foreground.wait()
         try:
@@ -255,6 +266,10 @@ class TierEngine:
         except Exception:  # a mover must survive anything a tier throws
             log.exception("write of block %s failed", result.block_hash.hex())
         if upload is not None and self._packer is not None:
+            if on_slot_free is not None and result.slot is not None and self._packer.max_blocks > 1:
+                data = bytes(upload[0])
+                upload = (memoryview(data), upload[1])
+                self._free_slot(result, on_slot_free)
             self._packer.add(group, number, _Upload(result, data, *upload, on_done))
             return
         if S3 in tiers:
@@ -262,6 +277,14 @@ class TierEngine:
             if self._packer is not None:
                 self._packer.abandon(group, number)
         self._write_ended(result, tiers, on_done)
+
+    @staticmethod
+    def _free_slot(result: WriteResult, on_slot_free: Callable[[WriteResult], None]) -> None:
+        result.slot_freed = True
+        try:
+            on_slot_free(result)
+        except Exception:  # the upload still goes: the copy no longer needs the slot
+            log.exception("releasing the slot of block %s failed", result.block_hash.hex())
 
     def _ship_run(self, run: list[_Upload]) -> None:
         """The packer's callback: upload a run on the upload threads."""
@@ -297,7 +320,7 @@ class TierEngine:
                 self._queued -= 1
                 MOVER_QUEUE.labels("down").set(self._queued)
                 if S3 in tiers and result.slot is not None:
-                    self._upload_slots -= 1
+                    self._upload_slots -= 1  # its slot, or the copy made of it
                 if self._queued == 0:
                     self._idle.notify_all()
 
@@ -415,6 +438,11 @@ class LocalTierCache:
         self.engine = TierEngine(config, shape, self.buffer, redis=redis, s3=s3)
 
     def _after_write(self, result: WriteResult) -> None:
+        if result.slot_freed:
+            return  # _slot_free reported it all
+        self._slot_free(result)
+
+    def _slot_free(self, result: WriteResult) -> None:
         if result.stored.get(DISK):
             self.policy.stored_on_disk(result.block_hash)
         if result.slot is not None:
@@ -447,7 +475,9 @@ class LocalTierCache:
         if self.policy.write_back:
             self.policy.release(slot)
         else:
-            self.engine.write_down(block_hash, slot, self._after_write, group=group)
+            self.engine.write_down(
+                block_hash, slot, self._after_write, group=group, on_slot_free=self._slot_free
+            )
         return slot
 
     def get(self, block_hash: bytes) -> tuple[str, memoryview] | None:
