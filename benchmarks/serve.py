@@ -242,7 +242,12 @@ def foreign_vllm() -> list[str]:
     # "-m 'not vllm'" of other people's test runs matches too.
     pattern = r"vllm\.|vllm_runner|vllm::|api_server"
     found = subprocess.run(["pgrep", "-afi", pattern], capture_output=True, text=True).stdout
-    return [line for line in found.splitlines() if line and int(line.split()[0]) not in ours]
+    # A zombie (an exited engine process not yet reaped) uses no core.
+    return [
+        line
+        for line in found.splitlines()
+        if line and int(line.split()[0]) not in ours and not line.endswith("<defunct>")
+    ]
 
 
 def wait_for_quiet_machine(limit: float) -> float:

@@ -67,6 +67,45 @@ def test_uploads_run_in_their_own_process_and_land_indexed(engine):
         assert engine.read_into(block(i), out, S3) and bytes(out) == data(i)
 
 
+def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slots(engine):
+    freed: list[int] = []
+    results: list = []
+    for i in range(3):
+        engine.buffer.view(i)[:] = data(i)
+        assert engine.write_down(
+            block(i), i, results.append, group="req", on_slot_free=lambda r: freed.append(r.slot)
+        )
+    wait_for(lambda: len(freed) == 3)
+    assert not results  # the run is still gathering: nothing uploaded yet
+    for i in range(3):
+        engine.buffer.view(i)[:] = b"\xee" * BLOCK  # the CPU tier reuses the slots
+    engine.end_group("req")
+    assert engine.flush(60)
+    assert [r.stored for r in results] == [{DISK: True, S3: True}] * 3
+    out = memoryview(bytearray(BLOCK))
+    for i in range(3):
+        assert engine.read_into(block(i), out, S3) and bytes(out) == data(i)
+
+
+def test_blocks_sent_ahead_to_a_process_that_died_are_not_stored(engine):
+    freed: list[int] = []
+    results: list = []
+    for i in range(2):
+        engine.buffer.view(i)[:] = data(i)
+        assert engine.write_down(
+            block(i), i, results.append, group="req", on_slot_free=lambda r: freed.append(r.slot)
+        )
+    wait_for(lambda: len(freed) == 2)
+    os.kill(engine.uploads.pid, signal.SIGKILL)
+    wait_for(lambda: engine.uploads._conn is None)
+    engine.uploads._next_start = 0  # the run's upload starts a new process, which lacks them
+    engine.end_group("req")
+    assert engine.flush(60)
+    assert [r.stored for r in results] == [{DISK: True, S3: False}] * 2
+    out = memoryview(bytearray(BLOCK))
+    assert not engine.read_into(block(0), out, S3)
+
+
 def test_a_dead_upload_process_drops_stores_then_comes_back(engine):
     first = engine.uploads.pid
     os.kill(first, signal.SIGKILL)
