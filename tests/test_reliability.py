@@ -557,9 +557,10 @@ def test_soak_for_a_minute_through_every_tier(tmp_path):
 def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path, monkeypatch, removed_by):
     """Two movers storing one block (the soak found 97 files in a 96-object tier): the
     second writer had checked the key before the first counted it and was still
-    writing when the object was removed. Its file, renamed between the removal's unlink
-    and its forgetting the key, stayed on disk counted by nothing. Here the second
-    writer renames its file exactly there."""
+    writing when the object was removed; its file, renamed between the removal's
+    forgetting the key and its unlink, stayed on disk counted by nothing, or was
+    unlinked after it was counted. Here the second writer is held in its rename while
+    the block is removed: the removal waits for the rename, then takes the file."""
     from tiercache.tiers import disk as disk_module
     from tiercache.tiers.disk import DiskTier
 
@@ -572,7 +573,7 @@ def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path,
         data = memoryview(block_payload(b, SLOT))
         return tier.put(shape.key(b), data, shape.header(b, data))
 
-    real_replace, real_unlink = os.replace, os.unlink
+    real_replace = os.replace
     go = threading.Event()
     second = threading.Thread(target=put, args=(block,), name="second-writer")
 
@@ -581,27 +582,65 @@ def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path,
             go.wait(10)  # checked the key before the first writer counted it; still writing
         real_replace(src, dst)
 
-    def unlink(path):
-        real_unlink(path)
-        if path == tier.layout.path(key) and not go.is_set():
-            go.set()  # the second writer renames its file now, and finishes
-            second.join(10)
-
     monkeypatch.setattr(disk_module.os, "replace", replace)
-    monkeypatch.setattr(disk_module.os, "unlink", unlink)
     second.start()
     time.sleep(0.2)  # the second writer is waiting in its rename
     assert put(block)  # the first writer stores and counts the block
-    if removed_by == "delete":
-        tier.delete(key)
-    else:
-        assert put(other)  # room for one: the block is evicted
+    removal = threading.Thread(
+        target=tier.delete if removed_by == "delete" else put,
+        args=(key if removed_by == "delete" else other,),
+    )
+    removal.start()
+    time.sleep(0.2)
+    assert removal.is_alive(), "the removal did not wait for the rename under way"
+    go.set()
     second.join(10)
+    removal.join(10)
     files = {p.name for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".tmp-")}
     stored = tier.keys()
     counted = {Path(tier.layout.path(k)).name for k in stored}
     assert files == counted
+    assert Path(tier.layout.path(key)).name not in files  # the removal came last
     assert tier.usage_bytes() <= shape.object_bytes
+
+
+def test_a_block_stored_while_its_file_is_being_removed_is_counted_only_if_its_file_stays(tmp_path):
+    """A mover stores a block at the moment the disk tier removes it (a corrupt copy
+    of it, or an eviction): the store's rename and the removal's unlink used to
+    interleave, so the store answered True and counted a file the removal then
+    unlinked, and the scheduler heard "on disk" for a block that was not there (a
+    later load failed)."""
+    from tiercache.tiers.disk import DiskTier
+
+    shape = ObjectShape("9" * 16, "a" * 16, SLOT)
+    block = b"m" * 32
+    key = shape.key(block)
+    answers: list[bool] = []
+    racing: list[threading.Thread] = []
+
+    def put(b: bytes) -> bool:
+        data = memoryview(block_payload(b, SLOT))
+        return tier.put(shape.key(b), data, shape.header(b, data))
+
+    def on_remove(removed: str) -> None:
+        # The removal has stopped counting the block and not yet unlinked its file:
+        # a store of it comes now, and gets as far as it can before the unlink.
+        if removed == key and not racing:
+            racing.append(threading.Thread(target=lambda: answers.append(put(block))))
+            racing[0].start()
+            racing[0].join(0.5)
+
+    tier = DiskTier(tmp_path, 4 * shape.object_bytes, on_remove=on_remove)
+    assert put(block)
+    assert tier.delete(key)
+    racing[0].join(10)
+    assert answers == [True]
+    files = {p.name for p in tmp_path.rglob("*.safetensors") if not p.name.startswith(".tmp-")}
+    stored = tier.keys()
+    counted = {Path(tier.layout.path(k)).name for k in stored}
+    assert files == counted
+    out = memoryview(bytearray(SLOT))
+    assert tier.contains(key) and tier.get_into(key, out)  # the later store stands
 
 
 def test_concurrent_disk_writers_never_overshoot_capacity(tmp_path):

@@ -14,7 +14,7 @@ import re
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from stat import S_IMODE
@@ -184,8 +184,15 @@ class DiskTier:
         self.fsync = fsync
         self.integrity_key = integrity_key
         self._on_remove = on_remove
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        # Keys whose file is being renamed into place, or unlinked, right now (a count:
+        # two writers, or two removers, of one key). A rename and an unlink of one key
+        # never overlap, so a file counted is a file on disk, and one removed stays
+        # removed: in either order a writer's file could be unlinked after it was
+        # counted (a later miss), or a put could answer True for a file going away.
+        self._renaming: Counter[str] = Counter()
+        self._removing: Counter[str] = Counter()
         self._usage = 0
         self._writing = 0  # bytes of writes in flight: counted against capacity too
         _make_private_dirs(str(self.root))
@@ -274,6 +281,7 @@ class DiskTier:
         if size > self.capacity:
             return False
         with self._lock:
+            self._lock.wait_for(lambda: not self._removing[key])
             if key in self._sizes:
                 self._sizes.move_to_end(key)
                 return True
@@ -297,7 +305,7 @@ class DiskTier:
                 except FileNotFoundError:  # the object's folder does not exist yet
                     _make_private_dirs(folder)
                     self._write(tmp, preamble, data)
-                os.replace(tmp, path)
+                self._rename_and_count(key, tmp, path, size)
         except OSError as error:
             kind = "disk_full" if error.errno == errno.ENOSPC else "io"
             TIER_ERRORS.labels(TIER, kind).inc()
@@ -305,12 +313,28 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return False
-        with self._lock:
-            if key not in self._sizes:  # two writers of one key count it once
-                self._usage += size
-            self._sizes[key] = size
-            TIER_USAGE.labels(TIER).set(self._usage)
         return True
+
+    def _rename_and_count(self, key: str, tmp: str, path: str, size: int) -> None:
+        """Put the written file in place and count it, never while it is being removed."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._removing[key])
+            self._renaming[key] += 1
+        renamed = False
+        try:
+            os.replace(tmp, path)
+            renamed = True
+        finally:
+            with self._lock:
+                self._renaming[key] -= 1
+                if not self._renaming[key]:
+                    del self._renaming[key]
+                if renamed:
+                    if key not in self._sizes:  # two writers of one key count it once
+                        self._usage += size
+                    self._sizes[key] = size
+                    TIER_USAGE.labels(TIER).set(self._usage)
+                self._lock.notify_all()
 
     def _write(self, tmp: str, preamble: bytes, data: memoryview) -> None:
         direct = self.o_direct and _aligned(data)
@@ -403,38 +427,59 @@ class DiskTier:
             return None
 
     def delete(self, key: str) -> bool:
-        # Forgotten before the file goes (see _evict_to).
-        forgotten = self._forget(key)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.layout.path(key))
-        return forgotten
+        with self._lock:
+            size = self._take(key)
+        self._finish_removal(key, size)
+        return size is not None
 
-    def _forget(self, key: str) -> bool:
+    def _forget(self, key: str) -> None:
+        """Stop counting an object whose file is already gone."""
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is None:
-                return False
+                return
             self._usage -= size
             TIER_USAGE.labels(TIER).set(self._usage)
         if self._on_remove:
             self._on_remove(key)
-        return True
+
+    def _take(self, key: str) -> int | None:
+        """(Under the lock.) Stop counting `key` and mark its file as being removed,
+        once no rename of it is under way: its size, or None if it was not counted."""
+        self._lock.wait_for(lambda: not self._renaming[key])
+        self._removing[key] += 1
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._usage -= size
+            TIER_USAGE.labels(TIER).set(self._usage)
+        return size
+
+    def _finish_removal(self, key: str, size: int | None) -> None:
+        try:
+            if size is not None and self._on_remove:
+                self._on_remove(key)
+            with contextlib.suppress(OSError):
+                os.unlink(self.layout.path(key))
+        finally:
+            with self._lock:
+                self._removing[key] -= 1
+                if not self._removing[key]:
+                    del self._removing[key]
+                self._lock.notify_all()
 
     def _evict_to(self, budget: int) -> None:
         while True:
             with self._lock:
                 if self._usage + self._writing <= budget or not self._sizes:
                     return
+                # Picked and taken in one hold of the lock: a put of the victim that
+                # comes after sees it gone and writes it again, rather than answering
+                # True for a file about to go.
                 victim = next(iter(self._sizes))
-            # Forget the object before its file goes. A writer of the same key that
-            # began before the object was counted (two movers storing one block) may
-            # rename its file in between: in this order that file is counted again, or
-            # removed while counted (a later read is a miss); in the other order it could
-            # stay on disk counted by nothing, over the tier's capacity.
-            if self._forget(victim):
+                size = self._take(victim)
+            if size is not None:
                 TIER_EVICTIONS.labels(TIER).inc()
-            with contextlib.suppress(OSError):
-                os.unlink(self.layout.path(victim))
+            self._finish_removal(victim, size)
 
     def contains(self, key: str) -> bool:
         with self._lock:
