@@ -67,16 +67,23 @@ def test_uploads_run_in_their_own_process_and_land_indexed(engine):
         assert engine.read_into(block(i), out, S3) and bytes(out) == data(i)
 
 
-def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slots(engine):
+def gather_run(engine: TierEngine, count: int) -> list:
+    """Write `count` blocks of one request down from slots 0.. and wait until every
+    slot is free again while their S3 run still gathers (the request has not ended)."""
     freed: list[int] = []
     results: list = []
-    for i in range(3):
+    for i in range(count):
         engine.buffer.view(i)[:] = data(i)
         assert engine.write_down(
             block(i), i, results.append, group="req", on_slot_free=lambda r: freed.append(r.slot)
         )
-    wait_for(lambda: len(freed) == 3)
-    assert not results  # the run is still gathering: nothing uploaded yet
+    wait_for(lambda: sorted(freed) == list(range(count)))
+    assert not results  # nothing uploaded yet
+    return results
+
+
+def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slots(engine):
+    results = gather_run(engine, 3)
     for i in range(3):
         engine.buffer.view(i)[:] = b"\xee" * BLOCK  # the CPU tier reuses the slots
     engine.end_group("req")
@@ -88,14 +95,7 @@ def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slo
 
 
 def test_blocks_sent_ahead_to_a_process_that_died_are_not_stored(engine):
-    freed: list[int] = []
-    results: list = []
-    for i in range(2):
-        engine.buffer.view(i)[:] = data(i)
-        assert engine.write_down(
-            block(i), i, results.append, group="req", on_slot_free=lambda r: freed.append(r.slot)
-        )
-    wait_for(lambda: len(freed) == 2)
+    results = gather_run(engine, 2)
     os.kill(engine.uploads.pid, signal.SIGKILL)
     wait_for(lambda: engine.uploads._conn is None)
     engine.uploads._next_start = 0  # the run's upload starts a new process, which lacks them
