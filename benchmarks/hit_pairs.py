@@ -137,6 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "pairs/"},
             "movers": {"shutdown_flush_seconds": 300, "cost_model": "off", "yield_to_loads": True},
         }
+        # --write-through names the lower tiers the prompt's write-through goes to, to
+        # tell what of the in-flight hit's cost each one brings.
+        for tier in ("disk", "s3"):
+            if tier not in args.write_through.split(","):
+                everything.pop(tier)
         items = warm_up(lengths, connector=True)
         for key, ids in asks.items():
             items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
@@ -334,6 +339,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--kv-bytes-per-token", type=int, default=64 << 10, help="the benchmark model's KV (harness.MODEL)"
+    )
+    parser.add_argument(
+        "--write-through",
+        default="disk,s3",
+        help="the lower tiers of the CPU-hit engine, comma separated, of disk and s3 ('' for none); "
+        "the disk-hit engine always has its disk",
     )
     parser.add_argument("--name", default="hit-pairs")
     args = parser.parse_args()
