@@ -459,7 +459,14 @@ def test_every_completed_output_equals_the_server_without_the_connector(run_name
 def test_the_load_preempts_and_hits_come_from_every_tier(cold, restarted):
     for run in (cold, restarted):
         assert metric(run.metrics, "vllm:num_preemptions_total") > 0, run.label
-    assert metric(cold.metrics, "vllm:tiercache_loaded_blocks_total", tier="cpu") > 0
+    # The CPU tier (48 slots) is far smaller than vLLM's KV cache here, so a block
+    # mostly leaves vLLM's cache after the CPU tier dropped it; CPU hits come from
+    # preemptions and promoted loads, and one server alone served 0 to 67 blocks
+    # from it in a run. The two servers together: 15 and 67 in two runs.
+    cpu_hits = [
+        metric(run.metrics, "vllm:tiercache_loaded_blocks_total", tier="cpu") for run in (cold, restarted)
+    ]
+    assert sum(cpu_hits) > 0, cpu_hits
     for tier in ("disk", "s3"):
         assert metric(restarted.metrics, "vllm:tiercache_loaded_blocks_total", tier=tier) > 0, tier
     # Some clients left while their disk or S3 load was in flight.

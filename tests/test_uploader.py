@@ -82,7 +82,7 @@ def gather_run(engine: TierEngine, count: int) -> list:
     return results
 
 
-def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slots(engine):
+def test_blocks_waiting_for_their_run_free_their_slots_and_upload_their_own_bytes(engine):
     results = gather_run(engine, 3)
     for i in range(3):
         engine.buffer.view(i)[:] = b"\xee" * BLOCK  # the CPU tier reuses the slots
@@ -92,18 +92,6 @@ def test_blocks_waiting_for_their_run_go_ahead_to_the_process_and_free_their_slo
     out = memoryview(bytearray(BLOCK))
     for i in range(3):
         assert engine.read_into(block(i), out, S3) and bytes(out) == data(i)
-
-
-def test_blocks_sent_ahead_to_a_process_that_died_are_not_stored(engine):
-    results = gather_run(engine, 2)
-    os.kill(engine.uploads.pid, signal.SIGKILL)
-    wait_for(lambda: engine.uploads._conn is None)
-    engine.uploads._next_start = 0  # the run's upload starts a new process, which lacks them
-    engine.end_group("req")
-    assert engine.flush(60)
-    assert [r.stored for r in results] == [{DISK: True, S3: False}] * 2
-    out = memoryview(bytearray(BLOCK))
-    assert not engine.read_into(block(0), out, S3)
 
 
 def test_a_dead_upload_process_drops_stores_then_comes_back(engine):

@@ -58,12 +58,6 @@ class _Upload:
     view: memoryview
     header: ObjectHeader
     on_done: Callable[[WriteResult], None]
-    staged: int | None = None  # its pages are in the upload process already (UploadProcess.stage)
-
-    @property
-    def slot_to_read(self) -> int | None:
-        """The CPU slot the upload reads, if it still reads one."""
-        return self.result.slot if self.staged is None and self.data is None else None
 
 
 def disk_root(config: TierCacheConfig) -> Path | None:
@@ -272,17 +266,13 @@ class TierEngine:
         except Exception:  # a mover must survive anything a tier throws
             log.exception("write of block %s failed", result.block_hash.hex())
         if upload is not None and self._packer is not None:
-            staged = None
             if on_slot_free is not None and result.slot is not None and self._packer.max_blocks > 1:
-                # The run may wait a whole prefill for the rest of its blocks: the
-                # pages go ahead to the upload process, or into a copy, and the slot
-                # is free for the CPU tier now.
-                staged = self.uploads.stage(upload[0]) if self.uploads is not None else None
-                if staged is None:
-                    data = bytes(upload[0])
-                    upload = (memoryview(data), upload[1])
+                # The run may wait a whole prefill for the rest of its blocks: it waits
+                # with a copy, and the slot is the CPU tier's again now.
+                data = bytes(upload[0])
+                upload = (memoryview(data), upload[1])
                 self._free_slot(result, on_slot_free)
-            self._packer.add(group, number, _Upload(result, data, *upload, on_done, staged))
+            self._packer.add(group, number, _Upload(result, data, *upload, on_done))
             return
         if S3 in tiers:
             result.stored.setdefault(S3, False)
@@ -310,7 +300,7 @@ class TierEngine:
         self.foreground.wait()
         try:
             if self.uploads is not None:
-                blocks = [(u.result.block_hash, u.slot_to_read, u.data, u.header, u.staged) for u in run]
+                blocks = [(u.result.block_hash, u.result.slot, u.data, u.header) for u in run]
                 stored = self.uploads.upload_run(blocks)
             elif self.s3_writer is not None:
                 stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])

@@ -48,9 +48,8 @@ SHM_DIR = "/dev/shm"
 # inside vLLM: every upload thread was allowed on the model's core only).
 OPENMP_BINDING_ENV = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
 # One block of a run to upload: its hash, its CPU slot (or None), a copy of its pages
-# when it has no slot, its signed header, and the id `stage` gave its pages when they
-# were sent ahead (then slot and copy are None).
-RunItem = tuple[bytes, int | None, bytes | None, ObjectHeader, int | None]
+# when it has no slot, and its signed header.
+RunItem = tuple[bytes, int | None, bytes | None, ObjectHeader]
 # The worker signs each object's header before sending it here, so this process never
 # needs the integrity key: it gets it neither in its environment nor in its setup.
 SECRET_ENV = ("TIERCACHE_INTEGRITY_KEY",)
@@ -161,33 +160,12 @@ class UploadProcess:
 
     def upload(self, block_hash: bytes, slot: int | None, data: bytes | None, header: ObjectHeader) -> bool:
         """Upload one block as a run of its own (see upload_run)."""
-        return self.upload_run([(block_hash, slot, data, header, None)])[0]
-
-    def stage(self, pages: memoryview) -> int | None:
-        """Send a block's pages to the process now, ahead of its run's upload, so that
-        its CPU slot can be reused while the run gathers: the id that names them in
-        upload_run, or None when the process is down. The kernel copies them straight
-        from the slot: the worker's interpreter makes no copy of its own, and the
-        interpreter lock is free while they go."""
-        with self._lock:
-            if self._closed:
-                return None
-            if self._conn is None and (time.monotonic() < self._next_start or not self._start()):
-                return None
-            assert self._conn is not None  # set by _start
-            stage_id = next(self._ids)
-            try:
-                self._conn.send(("stage", stage_id))
-                self._conn.send_bytes(pages)
-            except OSError:
-                return None
-            return stage_id
+        return self.upload_run([(block_hash, slot, data, header)])[0]
 
     def upload_run(self, blocks: list[RunItem]) -> list[bool]:
-        """Upload the blocks (each in CPU slot `slot`, in `data`, a copy of one, or sent
-        ahead by `stage`) to S3 as one run and index them. Per block, False when it was
-        not stored, whatever the reason (a staged block the process lost in a restart
-        among them)."""
+        """Upload the blocks (each in CPU slot `slot`, or `data`, a copy of one) to S3
+        as one run and index them. Per block, False when it was not stored, whatever
+        the reason."""
         nothing = [False] * len(blocks)
         future: Future = Future()
         with self._lock:
@@ -273,27 +251,18 @@ def serve(conn: Connection) -> None:
         config.redis.write_lease_ttl,
     )
     send_lock = threading.Lock()
-    staged: dict[int, bytes] = {}  # stage id -> pages sent ahead of their run
 
     def put_run(op_id: int, blocks: list[RunItem]) -> None:
-        stored = [False] * len(blocks)
         try:
-            run, places = [], []
-            for place, (block_hash, slot, data, header, stage_id) in enumerate(blocks):
-                if stage_id is not None:
-                    pages = staged.pop(stage_id, None)
-                    if pages is None:  # sent to a process that died since
-                        continue
-                    view = memoryview(pages)
-                elif data is not None:
+            run = []
+            for block_hash, slot, data, header in blocks:
+                if data is not None:
                     view = memoryview(data)
                 else:
                     assert slot is not None  # data is given when there is no slot
                     view = slots[slot * setup.slot_bytes : (slot + 1) * setup.slot_bytes]
                 run.append((block_hash, view, header))
-                places.append(place)
-            for place, ok in zip(places, writer.upload_run(run) if run else [], strict=True):
-                stored[place] = ok
+            stored = writer.upload_run(run)
         except Exception:  # an answer must go back whatever a tier throws
             log.exception("upload of a run of %d blocks failed", len(blocks))
             stored = [False] * len(blocks)
@@ -308,12 +277,6 @@ def serve(conn: Connection) -> None:
                 break  # the worker is gone: nothing to answer to
             if message[0] == "stop":
                 break
-            if message[0] == "stage":
-                try:
-                    staged[message[1]] = conn.recv_bytes()
-                except (EOFError, OSError):
-                    break
-                continue
             pool.submit(put_run, *message[1:])
 
 
