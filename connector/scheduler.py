@@ -178,7 +178,6 @@ class TierCacheScheduler:
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
         )
-        assert self.redis is not None  # registered only with Redis
         try:
             index.register(deployment)
         except RedisUnavailable:

@@ -326,9 +326,7 @@ class DiskTier:
             renamed = True
         finally:
             with self._lock:
-                self._renaming[key] -= 1
-                if not self._renaming[key]:
-                    del self._renaming[key]
+                _unmark(self._renaming, key)
                 if renamed:
                     if key not in self._sizes:  # two writers of one key count it once
                         self._usage += size
@@ -435,24 +433,24 @@ class DiskTier:
     def _forget(self, key: str) -> None:
         """Stop counting an object whose file is already gone."""
         with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is None:
-                return
+            size = self._uncount(key)
+        if size is not None and self._on_remove:
+            self._on_remove(key)
+
+    def _uncount(self, key: str) -> int | None:
+        """(Under the lock.) Stop counting `key`: its size, or None if it was not counted."""
+        size = self._sizes.pop(key, None)
+        if size is not None:
             self._usage -= size
             TIER_USAGE.labels(TIER).set(self._usage)
-        if self._on_remove:
-            self._on_remove(key)
+        return size
 
     def _take(self, key: str) -> int | None:
         """(Under the lock.) Stop counting `key` and mark its file as being removed,
         once no rename of it is under way: its size, or None if it was not counted."""
         self._lock.wait_for(lambda: not self._renaming[key])
         self._removing[key] += 1
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self._usage -= size
-            TIER_USAGE.labels(TIER).set(self._usage)
-        return size
+        return self._uncount(key)
 
     def _finish_removal(self, key: str, size: int | None) -> None:
         try:
@@ -462,9 +460,7 @@ class DiskTier:
                 os.unlink(self.layout.path(key))
         finally:
             with self._lock:
-                self._removing[key] -= 1
-                if not self._removing[key]:
-                    del self._removing[key]
+                _unmark(self._removing, key)
                 self._lock.notify_all()
 
     def _evict_to(self, budget: int) -> None:
@@ -496,6 +492,13 @@ class DiskTier:
         with contextlib.suppress(OSError):
             now = time.time()
             os.utime(self.path_of(key), (now, now))
+
+
+def _unmark(marks: Counter[str], key: str) -> None:
+    """One rename or removal of `key` is over; a count of none is dropped."""
+    marks[key] -= 1
+    if not marks[key]:
+        del marks[key]
 
 
 def _make_private_dirs(path: str) -> None:
