@@ -41,10 +41,11 @@ def redis_url():
 @pytest.fixture
 def redis(redis_url):
     """The session Redis, emptied, behind tiercache's guarded client."""
-    from tiercache.config import RedisConfig
     from tiercache.redis_conn import GuardedRedis
 
-    guarded = GuardedRedis(redis_url, RedisConfig())
+    from support.redis_config import PATIENT
+
+    guarded = GuardedRedis(redis_url, PATIENT)
     guarded.client.flushdb()
     yield guarded
     guarded.close()

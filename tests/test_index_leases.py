@@ -24,6 +24,8 @@ from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lea
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers.cpu import CpuBuffer
 
+from support.redis_config import PATIENT
+
 BLOCK = 64 * 1024
 
 
@@ -60,7 +62,7 @@ class CommandLog:
 
 @pytest.fixture
 def guarded(redis_url):
-    client = GuardedRedis(redis_url, RedisConfig())
+    client = GuardedRedis(redis_url, PATIENT)
     yield client
     client.close()
 
@@ -104,7 +106,7 @@ def test_longest_prefix_is_one_round_trip(guarded, ranks, n):
 
 
 def test_one_round_trip_seen_by_the_server(redis_server):
-    guarded = GuardedRedis(redis_server.url, RedisConfig())
+    guarded = GuardedRedis(redis_server.url, PATIENT)
     index = RedisIndex(guarded)
     model, ranks = digest(), [digest(), digest()]
     blocks = hashes(256)
