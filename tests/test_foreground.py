@@ -4,6 +4,9 @@ by it, and the connector's worker holding it exactly for forwards that copy hits
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -13,11 +16,12 @@ from tiercache.config import build_config
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.engine import ObjectShape, TierEngine
+from tiercache.engine import DISK, ObjectShape, TierEngine
 from tiercache.foreground import ForegroundGate
 from tiercache.keys import KVSpec
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.disk import PIECE_BYTES
 
 
 class FakeClock:
@@ -137,3 +141,93 @@ def test_by_default_the_worker_never_holds_the_gate(tmp_path):
         worker.wait_for_save(hit)
     finally:
         worker.shutdown()
+
+
+def test_a_disk_write_under_way_stops_between_pieces_while_the_gate_is_held(tmp_path):
+    """A hold that starts mid-write stops the write at its next piece, not at its end."""
+    slot = 4 * PIECE_BYTES
+    config = build_config({"cpu": {"capacity": slot}, "disk": {"path": str(tmp_path / "disk")}})
+    engine = TierEngine(config, ObjectShape("a" * 16, "b" * 16, slot), CpuBuffer(1, slot, pin_memory=False))
+    engine.foreground.max_hold = 30.0
+    assert engine.disk is not None and engine.disk.pace == engine.foreground.wait
+    pieces = 0
+    held = threading.Event()
+
+    def pace_holding_after_the_first_piece():
+        nonlocal pieces
+        pieces += 1
+        if pieces == 2:  # the first piece is written: a forward with hits begins
+            assert engine.foreground.hold()
+            held.set()
+        engine.foreground.wait()
+
+    engine.disk.pace = pace_holding_after_the_first_piece
+    try:
+        engine.buffer.view(0)[:] = b"x" * slot
+        done = threading.Event()
+        engine.write_down(b"k" * 32, 0, lambda result: done.set(), tiers=(DISK,))
+        assert held.wait(10.0)
+        assert not done.wait(0.3)
+        (partial,) = (tmp_path / "disk").rglob(".tmp-*")
+        assert partial.stat().st_size == PIECE_BYTES  # one piece, then it stopped
+        engine.foreground.release()
+        assert done.wait(10.0)
+        assert pieces >= 4 and not list((tmp_path / "disk").rglob(".tmp-*"))
+        out = memoryview(bytearray(slot))
+        assert engine.read_into(b"k" * 32, out, DISK) and bytes(out) == b"x" * slot
+    finally:
+        engine.close()
+
+
+def test_a_follower_in_another_process_waits_while_held_and_no_longer_than_max_hold():
+    gate = ForegroundGate(max_hold=60.0, shared=True)
+    assert gate.flag is not None
+    child = textwrap.dedent(
+        f"""
+        import sys
+        from tiercache.foreground import GateFollower
+        follower = GateFollower({gate.flag.fd}, max_hold=0.3)
+        print("held" if follower.flag.held else "free", flush=True)
+        follower.wait()  # never released: goes on after its 0.3 s
+        print("bounded", flush=True)
+        follower.max_hold = 60.0
+        follower.wait()  # goes on when the worker releases the gate
+        print("released", follower.waits, flush=True)
+        """
+    )
+    try:
+        assert gate.hold()
+        process = subprocess.Popen(
+            [sys.executable, "-c", child], pass_fds=(gate.flag.fd,), stdout=subprocess.PIPE, text=True
+        )
+        assert process.stdout is not None
+        # A wait that never ended would hang the reads below: the child goes at 20 s.
+        watchdog = threading.Timer(20.0, process.kill)
+        watchdog.start()
+        assert process.stdout.readline().strip() == "held"
+        assert process.stdout.readline().strip() == "bounded"
+        time.sleep(0.2)  # the child is in its second wait
+        assert process.poll() is None
+        gate.release()
+        out, _ = process.communicate(timeout=30)
+        watchdog.cancel()
+        assert out.split() == ["released", "2"] and process.returncode == 0
+    finally:
+        gate.close()
+
+
+def test_a_hold_keeps_a_write_back_no_longer_than_max_hold_however_many_pieces(tmp_path):
+    """The bound is per hold, not per wait: a write of 8 pieces under a hold that never
+    ends waits once, max_hold, rather than max_hold at each of its pieces (4 s here)."""
+    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.format import ObjectHeader, checksum
+
+    gate = ForegroundGate(max_hold=0.5)
+    tier = DiskTier(tmp_path, 1 << 30)
+    tier.pace = gate.wait
+    data = b"y" * (8 * PIECE_BYTES)
+    key = f"{'c' * 16}/{'d' * 64}"
+    gate.hold()  # a step that did not end as expected
+    began = time.monotonic()
+    assert tier.put(key, memoryview(data), ObjectHeader(key, "c" * 16, len(data), checksum(data)))
+    assert time.monotonic() - began < 2.0

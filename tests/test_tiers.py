@@ -233,7 +233,7 @@ def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
 
     import tiercache.tiers.disk as disk_module
 
-    def no_space(fd, *parts):
+    def no_space(fd, *parts, pace=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     buffer = CpuBuffer(1, BLOCK, pin_memory=False)
@@ -378,7 +378,7 @@ _SLOW_WRITER = textwrap.dedent(
     tier = disk.DiskTier(root, 1 << 30)
     assert put(tier, 1, 65536)  # one whole object before the slow one
 
-    def slow_write_all(fd, *parts):
+    def slow_write_all(fd, *parts, pace=None):
         for part in parts:
             view = memoryview(part).cast("B")
             while view:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
+from dataclasses import replace
 
 import pytest
 from test_engine import BLOCK, block, data, make_config, new_shape
@@ -129,6 +131,37 @@ def test_the_upload_process_exits_when_its_worker_goes(engine):
     end.shutdown(socket.SHUT_RDWR)
     end.close()
     assert process.wait(15) == 0
+
+
+def test_an_upload_under_way_waits_while_the_worker_holds_its_gate(engine, tmp_path):
+    """The upload process follows the worker's foreground gate: a PUT it was handed
+    while a forward loads hits waits (between reads of its body) for the release."""
+    from tiercache.foreground import ForegroundGate
+    from tiercache.uploader import UploadProcess
+
+    assert engine.foreground.flag is not None
+    assert engine.uploads.setup.gate_fd == engine.foreground.flag.fd  # the engine wires its own
+    gate = ForegroundGate(max_hold=60.0, shared=True)
+    setup = replace(engine.uploads.setup, gate_fd=gate.flag.fd, max_hold=60.0)
+    uploads = UploadProcess(setup)
+    try:
+        engine.buffer.view(0)[:] = data(7)
+        header = engine.shape.header(block(7), engine.buffer.view(0))
+        assert gate.hold()
+        answers: list[bool] = []
+        sender = threading.Thread(target=lambda: answers.append(uploads.upload(block(7), 0, None, header)))
+        sender.start()
+        sender.join(1.0)
+        assert sender.is_alive() and not answers  # its body is not read while held
+        assert engine.index.count(engine.shape.model_digest, engine.shape.rank_digest) == 0
+        gate.release()
+        sender.join(30)
+        assert answers == [True]
+        out = memoryview(bytearray(BLOCK))
+        assert engine.read_into(block(7), out, S3) and bytes(out) == data(7)
+    finally:
+        uploads.close()
+        gate.close()
 
 
 def test_shm_room():

@@ -106,6 +106,21 @@ class TierEngine:
             self.s3 = S3Tier(config.s3, integrity_key=self._integrity_key)
         self.s3_writer: S3Writer | None = None
         self.uploads: UploadProcess | None = None
+        uploads_apart = (
+            self.s3 is not None
+            and self.leases is not None
+            and buffer.shared_name is not None
+            and s3 is None
+            and config.movers.upload_process
+        )
+        # Held by the connector's worker while a forward that loads hits runs on the
+        # CPU backend (see foreground.py); never held elsewhere. The upload process
+        # follows it through a shared byte.
+        self.foreground = ForegroundGate(shared=uploads_apart)
+        if self.disk is not None:
+            self.disk.pace = self.foreground.wait
+        if self.s3 is not None and s3 is None:
+            self.s3.pace = self.foreground.wait
         if self.s3 is not None and self.leases is not None:
             self.s3_writer = S3Writer(
                 self.s3,
@@ -115,7 +130,9 @@ class TierEngine:
                 config.redis.write_lease_ttl,
                 closing=lambda: self._closed,
             )
-            if buffer.shared_name is not None and s3 is None and config.movers.upload_process:
+            if uploads_apart:
+                # Both set when uploads go apart.
+                assert self.foreground.flag is not None and buffer.shared_name is not None
                 self.uploads = UploadProcess(
                     UploadSetup(
                         config,
@@ -126,8 +143,11 @@ class TierEngine:
                         buffer.num_slots,
                         frozenset(spare_cpus()),
                         background_nice(),
+                        self.foreground.flag.fd,
+                        self.foreground.max_hold,
                     )
                 )
+                self.uploads.pace = self.foreground.wait
         # The object tiers this engine has, fastest first, and how each is read: the
         # disk directly, S3 under a read lease that keeps GC off the object.
         self.lower: dict[str, ObjectTier] = {
@@ -145,9 +165,6 @@ class TierEngine:
                 packing.run_blocks(shape.slot_bytes), packing.pack_flush_seconds, self._ship_run
             )
         movers = config.movers
-        # Held by the connector's worker while a forward that loads hits runs on the
-        # CPU backend (see foreground.py); never held elsewhere.
-        self.foreground = ForegroundGate()
         # Write-down is background work: off the model's cores, at a lower priority.
         self._movers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
@@ -268,7 +285,9 @@ class TierEngine:
         if upload is not None and self._packer is not None:
             if on_slot_free is not None and result.slot is not None and self._packer.max_blocks > 1:
                 # The run may wait a whole prefill for the rest of its blocks: it waits
-                # with a copy, and the slot is the CPU tier's again now.
+                # with a copy, and the slot is the CPU tier's again now. The copy is a
+                # pass over the memory bus too: not while a forward loads hits.
+                self.foreground.wait()
                 data = bytes(upload[0])
                 upload = (memoryview(data), upload[1])
                 self._free_slot(result, on_slot_free)
@@ -394,6 +413,7 @@ class TierEngine:
         """Flush queued writes within the configured bound, then stop."""
         if self._closed:
             return
+        self.foreground.release()  # a hold would only slow the flush down
         flushed = self.flush()
         with self._queue_lock:
             self._closed = True
@@ -413,6 +433,7 @@ class TierEngine:
             self.uploads.close()
         if self.s3 is not None:
             self.s3.close()
+        self.foreground.close()
 
 
 class LocalTierCache:

@@ -7,18 +7,76 @@ other core slows a forward-like loop down (benchmarks/memory_bus.py; figures in
 docs/architecture.md, "Threads and cores"). A hit
 that arrives while its own prompt is still being written down (the usual case: the
 same prefix asked again at once) paid for both. So while a step that loads hits runs,
-the movers start no new block: what is already being written finishes, the rest waits
-for the step's end.
+the movers start no new block, and the writes already under way stop between pieces:
+a disk write between its pieces (tiers/disk.py, PIECE_BYTES), a block's copy for its
+S3 run before it starts, an upload between the reads of its body and between the
+blocks it hands to the upload process, which follows the hold through a shared page
+(`GateFlag`). The rest goes on at the step's end.
 
-Stores must not starve under a steady stream of hits, so a hold lasts at most
-`max_hold` seconds, and no hold starts while holds took more than `max_share` of the
-last `window` seconds: past that, hits and writes share the bus as before."""
+Stores must not starve under a steady stream of hits, so a hold keeps writes back for
+at most `max_hold` seconds, however many pieces they wait at, and no hold starts while
+holds took more than `max_share` of the last `window` seconds: past that, hits and
+writes share the bus as before."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 import threading
 import time
 from collections.abc import Callable
+
+# How often a follower in another process looks at a hold it waits on.
+_POLL_SECONDS = 0.001
+_DEADLINE = struct.Struct("d")
+
+
+class GateFlag:
+    """The gate's state for the upload process, in a shared page: when the hold under
+    way stops holding anyone (`time.monotonic()`, the same clock in every process of
+    the host), 0 when none is. An anonymous memory file: the child gets its descriptor
+    (pass_fds), so nothing is left in /dev/shm if either process dies."""
+
+    def __init__(self, fd: int | None = None):
+        self.fd = os.memfd_create("tiercache-gate") if fd is None else fd
+        if fd is None:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+        self._map = mmap.mmap(self.fd, mmap.PAGESIZE)
+
+    @property
+    def ends_at(self) -> float:
+        return _DEADLINE.unpack_from(self._map)[0]
+
+    @property
+    def held(self) -> bool:
+        return time.monotonic() < self.ends_at
+
+    def set(self, ends_at: float) -> None:
+        _DEADLINE.pack_into(self._map, 0, ends_at)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
+class GateFollower:
+    """The upload process's side of a GateFlag: its writes wait while the worker holds
+    the gate, never past the hold's bound, nor longer than `max_hold` a wait (should
+    the page say otherwise)."""
+
+    def __init__(self, fd: int, max_hold: float):
+        self.flag = GateFlag(fd)
+        self.max_hold = max_hold
+        self.waits = 0  # reads that found a hold (for tests)
+
+    def wait(self) -> None:
+        if not self.flag.held:
+            return
+        self.waits += 1
+        deadline = time.monotonic() + self.max_hold
+        while self.flag.held and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
 
 
 class ForegroundGate:
@@ -28,7 +86,9 @@ class ForegroundGate:
         max_share: float = 0.5,
         window: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        shared: bool = False,
     ):
+        """`shared`: mirror holds into a GateFlag (`flag`) that another process follows."""
         self.max_hold = max_hold
         self.max_share = max_share
         self.window = window
@@ -42,6 +102,7 @@ class ForegroundGate:
         self._counted_at = clock()
         self.holds = 0  # holds started (for tests and stats)
         self.skipped = 0  # holds refused because the budget was spent
+        self.flag = GateFlag() if shared else None
 
     def hold(self) -> bool:
         """A step that loads hits starts its forward. False (and nothing held) when
@@ -57,6 +118,8 @@ class ForegroundGate:
             self._held_since = now
             self.holds += 1
             self._open.clear()
+            if self.flag is not None:
+                self.flag.set(now + self.max_hold)
             return True
 
     def release(self) -> None:
@@ -68,15 +131,31 @@ class ForegroundGate:
             self._decay(now)
             self._held_seconds += min(now - self._held_since, self.max_hold)
             self._held_since = None
+            if self.flag is not None:
+                self.flag.set(0.0)
             self._open.set()
 
     def wait(self) -> None:
-        """A mover about to start a block: waits while a hold lasts, at most max_hold."""
-        self._open.wait(self.max_hold)
+        """A mover about to start a block, or a piece of one: waits while a hold lasts,
+        no longer than the hold's first max_hold seconds: a write waits for one hold
+        at most that long, whatever the number of its pieces."""
+        since = self._held_since  # one read: no lock on the path of every piece
+        if since is None:
+            return
+        left = since + self.max_hold - self.clock()
+        if left > 0:
+            self._open.wait(left)
 
     @property
     def held(self) -> bool:
         return not self._open.is_set()
+
+    def close(self) -> None:
+        """Frees the shared byte; holds after this are kept in this process only."""
+        with self._lock:
+            flag, self.flag = self.flag, None
+        if flag is not None:
+            flag.close()
 
     def _decay(self, now: float) -> None:
         elapsed = now - self._counted_at

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -72,6 +73,10 @@ class UploadSetup:
     num_slots: int
     cpus: frozenset[int]  # where to run: the cores the model does not use (none: anywhere)
     nice: int  # the priority to run at: below the worker's
+    # The worker's foreground gate (foreground.GateFlag), passed as this descriptor:
+    # uploads stop between reads of their body while a forward loads hits. None: never.
+    gate_fd: int | None = None
+    max_hold: float = 0.5
 
 
 class UploadProcess:
@@ -94,6 +99,9 @@ class UploadProcess:
         self._process: subprocess.Popen | None = None
         self._next_start = 0.0
         self._closed = False
+        # Called before each copy's pages go over the socket (the engine's foreground
+        # gate); the lock is held meanwhile, as the frames of a run must not mix.
+        self.pace: Callable[[], None] | None = None
         with self._lock:
             self._start()
 
@@ -105,10 +113,11 @@ class UploadProcess:
         """Start the process (the lock is held). False if that failed."""
         self._next_start = time.monotonic() + RESTART_PAUSE
         ours, theirs = socket.socketpair()
+        gate = () if self.setup.gate_fd is None else (self.setup.gate_fd,)
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "tiercache.uploader", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), *gate),
                 env=child_env(),
             )
         except OSError as error:
@@ -178,7 +187,7 @@ class UploadProcess:
             process = self._process
             assert self._conn is not None and process is not None  # set together by _start
             try:
-                self._conn.send(("put_run", op_id, blocks))
+                self._send_run(self._conn, op_id, blocks)
             except OSError:
                 self._pending.pop(op_id, None)
                 return nothing
@@ -198,6 +207,19 @@ class UploadProcess:
             process.kill()
             process.wait()
             return nothing
+
+    def _send_run(self, conn: Connection, op_id: int, blocks: list[RunItem]) -> None:
+        """The run's description, then each copy's pages as a frame of their own, sent
+        from the copy: pickled into the message they were copied once more, with the
+        interpreter lock held (32 MiB for a run of 16 blocks of 2 MiB), and could not
+        step aside for a forward that loads hits (`pace`, between frames)."""
+        described = [(h, slot, data is not None, header) for h, slot, data, header in blocks]
+        conn.send(("put_run", op_id, described))
+        for _, _, data, _ in blocks:
+            if data is not None:
+                if self.pace is not None:
+                    self.pace()
+                conn.send_bytes(data)
 
     def close(self, timeout: float = 10.0) -> None:
         """Let the process finish what it was sent, then stop it."""
@@ -230,6 +252,7 @@ def _open_slots(setup: UploadSetup) -> memoryview:
 
 
 def serve(conn: Connection) -> None:
+    from tiercache.foreground import GateFollower
     from tiercache.leases import Leases
     from tiercache.redis_conn import GuardedRedis
     from tiercache.s3_writer import S3Writer
@@ -243,8 +266,11 @@ def serve(conn: Connection) -> None:
     slots = _open_slots(setup)
     assert config.redis_url is not None and config.s3 is not None  # the worker's, which uploads to S3
     redis = GuardedRedis(config.redis_url, config.redis)
+    s3 = S3Tier(config.s3)
+    if setup.gate_fd is not None:
+        s3.pace = GateFollower(setup.gate_fd, setup.max_hold).wait
     writer = S3Writer(
-        S3Tier(config.s3),
+        s3,
         Leases(redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl),
         setup.model_digest,
         setup.rank_digest,
@@ -277,7 +303,16 @@ def serve(conn: Connection) -> None:
                 break  # the worker is gone: nothing to answer to
             if message[0] == "stop":
                 break
-            pool.submit(put_run, *message[1:])
+            _, op_id, described = message
+            try:
+                # The copies' pages follow the description, one frame each, in order.
+                blocks = [
+                    (h, slot, conn.recv_bytes() if has_copy else None, header)
+                    for h, slot, has_copy, header in described
+                ]
+            except (EOFError, OSError):
+                break
+            pool.submit(put_run, op_id, blocks)
 
 
 def main() -> None:

@@ -1,0 +1,144 @@
+"""The in-flight CPU-tier hit with the write-down gate and without it: one prompt after
+another, each computed cold and then asked again at once, while its own write-through
+to disk and S3 still runs, in two fresh tiercache engines that differ only in
+`movers.yield_to_loads`. Each in-flight hit is paired with a prefix-cache hit of the
+same prompt in the same engine, asked once the write-through is over.
+
+    python benchmarks/inflight_ab.py --length 2000 --prompts 6 --name inflight-ab-1
+
+Engines run in the order given by --order (off,on by default; a second run with on,off
+tells the order's share). S3 is the sink (benchmarks/s3_sink.py) unless --s3-server
+moto. Every hit is checked as in hit_pairs.py: whole prefix cached, first token and top
+logprobs as in the prompt's cold run, every block loaded from the CPU tier."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+from harness import (
+    BLOCK,
+    LOGPROB_TOLERANCE,
+    EngineRunner,
+    engine_env,
+    logprob_gap,
+    machine,
+    median,
+    prompt,
+    request,
+    save,
+    store_services,
+    ttft,
+    write_model,
+)
+from hit_pairs import LOADED_BLOCKS, RESET, by_name, tiercache_kv
+
+
+def items_for(asks: list[list[int]], length: int, quiet: float) -> list[dict[str, Any]]:
+    warm = prompt(7000 + length, length)
+    items = [request("warm", prompt(1, 64)), request("warm", warm), RESET, request("warm", warm)]
+    for i, ids in enumerate(asks):
+        items += [request(f"cold/{i}", ids), RESET, request(f"inflight/{i}", ids), {"sleep": quiet}]
+        items += [request(f"pc/{i}", ids), RESET, request(f"cpu/{i}", ids)]
+    return items
+
+
+def check(results: dict[str, dict[str, Any]], count: int, length: int) -> list[str]:
+    problems = []
+    want = (length - 1) // BLOCK * BLOCK
+    for i in range(count):
+        cold = results[f"cold/{i}"]
+        for label in ("inflight", "pc", "cpu"):
+            r = results[f"{label}/{i}"]
+            if r["num_cached_tokens"] < want:
+                problems.append(f"{r['name']}: {r['num_cached_tokens']} cached, want {want}")
+            if r["token_ids"][:1] != cold["token_ids"][:1]:
+                problems.append(f"{r['name']}: first token differs from the cold run")
+            if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
+                problems.append(f"{r['name']}: logprobs differ from the cold run")
+            if label != "pc" and "loaded" in r and r["loaded"].get("cpu", 0) != want // BLOCK:
+                problems.append(f"{r['name']}: loaded {r['loaded']}, want every block from cpu")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--order", default="off,on", help="yield_to_loads per engine, in run order")
+    parser.add_argument("--quiet-seconds", type=float, default=8.0)
+    parser.add_argument("--cpu-capacity", default="4GiB")
+    parser.add_argument("--kv-fraction", type=float, default=0.25)
+    parser.add_argument("--reserved-cpus", type=int, default=1)
+    parser.add_argument("--workdir", default="/tmp/tiercache-bench-inflight")
+    parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+    parser.add_argument("--name", default="inflight-ab")
+    args = parser.parse_args()
+
+    work = Path(args.workdir).resolve()
+    spec = {
+        "model": str(write_model(work / "model")),
+        "max_model_len": args.length + 64,
+        "gpu_memory_utilization": args.kv_fraction,
+        "log_stats": True,
+        "enable_prefix_caching": True,
+    }
+    runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+    asks = [prompt(50_000 + i, args.length) for i in range(args.prompts)]
+    summary: dict[str, Any] = {}
+    problems: list[str] = []
+    with store_services(args) as (redis_server, s3_url):
+        for gate in args.order.split(","):
+            disk = work / f"disk-{gate}"
+            shutil.rmtree(disk, ignore_errors=True)
+            config = {
+                "cpu": {"capacity": args.cpu_capacity},
+                "disk": {"path": str(disk)},
+                "redis_url": redis_server.url,
+                "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": f"inflight-{gate}/"},
+                "movers": {
+                    "shutdown_flush_seconds": 300,
+                    "cost_model": "off",
+                    "yield_to_loads": gate == "on",
+                },
+            }
+            name = f"gate_{gate}"
+            runner.run(
+                name,
+                items_for(asks, args.length, args.quiet_seconds),
+                kv_transfer_config=tiercache_kv(config),
+                counters=LOADED_BLOCKS,
+            )
+            results = by_name(runner.engines[name])
+            problems += [f"{name} {p}" for p in check(results, args.prompts, args.length)]
+            inflight = [1000 * ttft(results[f"inflight/{i}"]) for i in range(args.prompts)]
+            pc = [1000 * ttft(results[f"pc/{i}"]) for i in range(args.prompts)]
+            cpu = [1000 * ttft(results[f"cpu/{i}"]) for i in range(args.prompts)]
+            summary[name] = {
+                "inflight_ms": inflight,
+                "pc_ms": pc,
+                "cpu_ms": cpu,
+                "inflight_over_pc_paired": median([a / b for a, b in zip(inflight, pc, strict=True)]),
+                "cpu_over_pc_paired": median([a / b for a, b in zip(cpu, pc, strict=True)]),
+            }
+    runner.stop()
+    data = {"engines": runner.engines, "summary": summary, "machine": machine(), "args": vars(args)}
+    save(args.name, data)
+    print("| engine | in-flight hits (ms) | prefix-cache hits (ms) | in-flight / pc | quiet CPU hit / pc |")
+    print("|---|---|---|---:|---:|")
+    for name, row in summary.items():
+        print(
+            f"| {name} | {', '.join(f'{x:.0f}' for x in row['inflight_ms'])} "
+            f"| {', '.join(f'{x:.0f}' for x in row['pc_ms'])} "
+            f"| {row['inflight_over_pc_paired']:.3f}x | {row['cpu_over_pc_paired']:.3f}x |"
+        )
+    if problems:
+        raise SystemExit("hits that were not right:\n  " + "\n  ".join(problems))
+
+
+if __name__ == "__main__":
+    main()
