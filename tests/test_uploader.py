@@ -164,6 +164,41 @@ def test_an_upload_under_way_waits_while_the_worker_holds_its_gate(engine, tmp_p
         gate.close()
 
 
+def test_an_upload_stepping_aside_keeps_no_other_upload_waiting_for_its_answer(engine):
+    """Review fix: the copies' frames were sent under the lock the answers are read
+    under, so while one upload stepped aside for a forward, the answer of another (and
+    the slot it frees) waited for it too."""
+    from tiercache.uploader import UploadProcess
+
+    uploads = UploadProcess(engine.uploads.setup)
+    released = threading.Event()
+    uploads.pace = lambda: released.wait(60)  # a hold that lasts until the test ends it
+    try:
+        os.kill(uploads.pid, signal.SIGSTOP)  # A's answer can only come once B waits
+        engine.buffer.view(0)[:] = data(1)
+        first: list[bool] = []
+        a = threading.Thread(
+            target=lambda: first.append(
+                uploads.upload(block(1), 0, None, engine.shape.header(block(1), engine.buffer.view(0)))
+            )
+        )
+        a.start()
+        wait_for(lambda: len(uploads._pending) == 1)
+        copy = data(2)
+        header = engine.shape.header(block(2), memoryview(copy))
+        b = threading.Thread(target=lambda: uploads.upload(block(2), None, copy, header))
+        b.start()
+        wait_for(lambda: len(uploads._pending) == 2)  # B is in its pace, before its frame
+        os.kill(uploads.pid, signal.SIGCONT)
+        a.join(20)
+        assert first == [True], "A's answer waited for B's send"
+        assert b.is_alive()
+    finally:
+        released.set()
+        os.kill(uploads.pid, signal.SIGCONT)
+        uploads.close()
+
+
 def test_shm_room():
     assert shm_room("/nonexistent-path") == 0
     assert shm_room() > 0

@@ -8,7 +8,12 @@ a process of their own slow it far less (benchmarks/upload_interference.py measu
 both; docs/benchmarks-e2e.md, "Store-path overhead", has the figures). The worker's
 CPU tier therefore lives in shared memory, and this process reads the blocks to
 upload straight from it: what crosses the socket between the two is a slot number,
-a block hash and its header, not the pages.
+a block hash and its header, not the pages. A block that has left its slot (it waits
+for the rest of its S3 run, or is a write-back's victim) crosses as a copy, in a
+frame of its own after its run's description.
+
+It follows the worker's foreground gate (foreground.py) through a shared page: while
+a forward that loads hits runs, an upload stops between the reads of its body.
 
 If the process dies, the uploads in flight and those asked for before it is back
 report "not stored" (a later read is a miss, never an error); it is started again
@@ -93,6 +98,8 @@ class UploadProcess:
             setup.config.redis.write_lease_ttl + (s3.connect_timeout + s3.read_timeout) * s3.max_attempts + 5
         )
         self._lock = threading.Lock()
+        # A run's description and its copies' frames go out together: one sender at a time.
+        self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, Future] = {}
         self._conn: Connection | None = None
@@ -100,7 +107,7 @@ class UploadProcess:
         self._next_start = 0.0
         self._closed = False
         # Called before each copy's pages go over the socket (the engine's foreground
-        # gate); the lock is held meanwhile, as the frames of a run must not mix.
+        # gate); the send lock is held meanwhile, as the frames of a run must not mix.
         self.pace: Callable[[], None] | None = None
         with self._lock:
             self._start()
@@ -184,13 +191,17 @@ class UploadProcess:
                 return nothing
             op_id = next(self._ids)
             self._pending[op_id] = future
-            process = self._process
-            assert self._conn is not None and process is not None  # set together by _start
-            try:
-                self._send_run(self._conn, op_id, blocks)
-            except OSError:
+            conn, process = self._conn, self._process
+            assert conn is not None and process is not None  # set together by _start
+        try:
+            # Apart from the state's lock: a send that steps aside for a forward must
+            # not keep the answers (and the slots they free) waiting.
+            with self._send_lock:
+                self._send_run(conn, op_id, blocks)
+        except OSError:  # the process is gone (or going): its answers say "not stored"
+            with self._lock:
                 self._pending.pop(op_id, None)
-                return nothing
+            return nothing
         try:
             answer = future.result(timeout=self.answer_timeout)
             return list(answer) if isinstance(answer, list) else nothing
@@ -226,9 +237,9 @@ class UploadProcess:
         with self._lock:
             self._closed = True
             conn, process = self._conn, self._process
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    conn.send(("stop",))
+        if conn is not None:
+            with self._send_lock, contextlib.suppress(OSError):
+                conn.send(("stop",))
         if process is not None:
             try:
                 process.wait(timeout)
