@@ -115,7 +115,7 @@ class TierEngine:
         )
         # Held by the connector's worker while a forward that loads hits runs on the
         # CPU backend (see foreground.py); never held elsewhere. The upload process
-        # follows it through a shared byte.
+        # follows it through a shared page.
         self.foreground = ForegroundGate(shared=uploads_apart)
         if self.disk is not None:
             self.disk.pace = self.foreground.wait

@@ -151,7 +151,7 @@ class ForegroundGate:
         return not self._open.is_set()
 
     def close(self) -> None:
-        """Frees the shared byte; holds after this are kept in this process only."""
+        """Frees the shared page; holds after this are kept in this process only."""
         with self._lock:
             flag, self.flag = self.flag, None
         if flag is not None:
