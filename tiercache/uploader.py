@@ -222,7 +222,7 @@ class UploadProcess:
     def _send_run(self, conn: Connection, op_id: int, blocks: list[RunItem]) -> None:
         """The run's description, then each copy's pages as a frame of their own, sent
         from the copy: pickled into the message they were copied once more, with the
-        interpreter lock held (32 MiB for a run of 16 blocks of 2 MiB), and could not
+        interpreter lock held (up to `s3.pack_bytes`, 16 MiB by default), and could not
         step aside for a forward that loads hits (`pace`, between frames)."""
         described = [(h, slot, data is not None, header) for h, slot, data, header in blocks]
         conn.send(("put_run", op_id, described))
