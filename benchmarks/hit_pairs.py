@@ -208,6 +208,26 @@ def by_name(engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def hit_problems(
+    r: dict[str, Any], cold: dict[str, Any], length: int, tier: str | None, hit: bool = True
+) -> list[str]:
+    """What is wrong with request `r` against its prompt's cold run (`length` tokens):
+    as a hit, fewer than every whole block but the last cached; another first token or
+    top logprobs; given `tier`, blocks loaded from anywhere else (read from the
+    connector's counters, where the engine has them)."""
+    problems = []
+    want_cached = (length - 1) // BLOCK * BLOCK
+    if hit and r["num_cached_tokens"] < want_cached:
+        problems.append(f"{r['name']}: {r['num_cached_tokens']} cached, want {want_cached}")
+    if r["token_ids"][:1] != cold["token_ids"][:1]:
+        problems.append(f"{r['name']}: first token differs from the cold run")
+    if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
+        problems.append(f"{r['name']}: logprobs differ from the cold run")
+    if tier is not None and "loaded" in r and r["loaded"].get(tier, 0) != want_cached // BLOCK:
+        problems.append(f"{r['name']}: loaded {r['loaded']}, want every block from {tier}")
+    return problems
+
+
 def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], args) -> dict[str, Any]:
     """Per length: each label's median TTFT, and the median ratio of paired requests.
     Raises if any hit missed or answered differently from its prompt's cold run."""
@@ -217,16 +237,9 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
     def sample(engine: str, label: str, key, round_: int = 0) -> dict[str, Any]:
         r = colds[engine][name(label, key, round_)]
         cold = colds[engine if engine != "tiercache_disk" else "tiercache"][name("cold", key)]
-        want_cached = (key[0] - 1) // BLOCK * BLOCK
-        if label != "cold" and r["num_cached_tokens"] < want_cached:
-            problems.append(f"{engine} {r['name']}: {r['num_cached_tokens']} cached, want {want_cached}")
-        if r["token_ids"][:1] != cold["token_ids"][:1]:
-            problems.append(f"{engine} {r['name']}: first token differs from the cold run")
-        if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
-            problems.append(f"{engine} {r['name']}: logprobs differ from the cold run")
         tier = {"disk": "disk", "cpu": "cpu", "inflight": "cpu"}.get(label)
-        if tier is not None and "loaded" in r and r["loaded"].get(tier, 0) != want_cached // BLOCK:
-            problems.append(f"{engine} {r['name']}: loaded {r['loaded']}, want every block from {tier}")
+        found = hit_problems(r, cold, key[0], tier, hit=label != "cold")
+        problems.extend(f"{engine} {problem}" for problem in found)
         return r
 
     def pairs(keys: list[tuple[int, int]], with_rounds: bool) -> list[tuple[tuple[int, int], int]]:

@@ -19,11 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
-    BLOCK,
-    LOGPROB_TOLERANCE,
     EngineRunner,
     engine_env,
-    logprob_gap,
     machine,
     median,
     prompt,
@@ -33,7 +30,7 @@ from harness import (
     ttft,
     write_model,
 )
-from hit_pairs import LOADED_BLOCKS, RESET, by_name, tiercache_kv
+from hit_pairs import LOADED_BLOCKS, RESET, by_name, hit_problems, tiercache_kv
 
 
 def items_for(asks: list[list[int]], length: int, quiet: float) -> list[dict[str, Any]]:
@@ -47,19 +44,10 @@ def items_for(asks: list[list[int]], length: int, quiet: float) -> list[dict[str
 
 def check(results: dict[str, dict[str, Any]], count: int, length: int) -> list[str]:
     problems = []
-    want = (length - 1) // BLOCK * BLOCK
     for i in range(count):
         cold = results[f"cold/{i}"]
-        for label in ("inflight", "pc", "cpu"):
-            r = results[f"{label}/{i}"]
-            if r["num_cached_tokens"] < want:
-                problems.append(f"{r['name']}: {r['num_cached_tokens']} cached, want {want}")
-            if r["token_ids"][:1] != cold["token_ids"][:1]:
-                problems.append(f"{r['name']}: first token differs from the cold run")
-            if logprob_gap(r["top_logprobs"], cold["top_logprobs"]) > LOGPROB_TOLERANCE:
-                problems.append(f"{r['name']}: logprobs differ from the cold run")
-            if label != "pc" and "loaded" in r and r["loaded"].get("cpu", 0) != want // BLOCK:
-                problems.append(f"{r['name']}: loaded {r['loaded']}, want every block from cpu")
+        for label, tier in (("inflight", "cpu"), ("pc", None), ("cpu", "cpu")):
+            problems += hit_problems(results[f"{label}/{i}"], cold, length, tier)
     return problems
 
 
