@@ -180,18 +180,19 @@ def test_a_disk_write_under_way_stops_between_pieces_while_the_gate_is_held(tmp_
 
 
 def test_a_follower_in_another_process_waits_while_held_and_no_longer_than_max_hold():
-    gate = ForegroundGate(max_hold=60.0, shared=True)
+    gate = ForegroundGate(max_hold=0.3, shared=True)
     assert gate.flag is not None
     child = textwrap.dedent(
         f"""
-        import sys
+        import time
         from tiercache.foreground import GateFollower
-        follower = GateFollower({gate.flag.fd}, max_hold=0.3)
+        follower = GateFollower({gate.flag.fd})
         print("held" if follower.flag.held else "free", flush=True)
-        follower.wait()  # never released: goes on after its 0.3 s
+        follower.wait()  # never released: goes on once the hold's 0.3 s are over
         print("bounded", flush=True)
-        follower.max_hold = 60.0
-        follower.wait()  # goes on when the worker releases the gate
+        while not follower.flag.held:  # the worker's next hold, bounded at 60 s
+            time.sleep(0.01)
+        follower.wait()  # goes on when the worker releases it
         print("released", follower.waits, flush=True)
         """
     )
@@ -206,6 +207,9 @@ def test_a_follower_in_another_process_waits_while_held_and_no_longer_than_max_h
         watchdog.start()
         assert process.stdout.readline().strip() == "held"
         assert process.stdout.readline().strip() == "bounded"
+        gate.release()
+        gate.max_hold = 60.0
+        assert gate.hold()
         time.sleep(0.2)  # the child is in its second wait
         assert process.poll() is None
         gate.release()

@@ -142,7 +142,7 @@ def test_an_upload_under_way_waits_while_the_worker_holds_its_gate(engine, tmp_p
     assert engine.foreground.flag is not None
     assert engine.uploads.setup.gate_fd == engine.foreground.flag.fd  # the engine wires its own
     gate = ForegroundGate(max_hold=60.0, shared=True)
-    setup = replace(engine.uploads.setup, gate_fd=gate.flag.fd, max_hold=60.0)
+    setup = replace(engine.uploads.setup, gate_fd=gate.flag.fd)
     uploads = UploadProcess(setup)
     try:
         engine.buffer.view(0)[:] = data(7)

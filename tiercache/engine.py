@@ -144,7 +144,6 @@ class TierEngine:
                         frozenset(spare_cpus()),
                         background_nice(),
                         self.foreground.flag.fd,
-                        self.foreground.max_hold,
                     )
                 )
                 self.uploads.pace = self.foreground.wait

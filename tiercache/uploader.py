@@ -81,7 +81,6 @@ class UploadSetup:
     # The worker's foreground gate (foreground.GateFlag), passed as this descriptor:
     # uploads stop between reads of their body while a forward loads hits. None: never.
     gate_fd: int | None = None
-    max_hold: float = 0.5
 
 
 class UploadProcess:
@@ -279,7 +278,7 @@ def serve(conn: Connection) -> None:
     redis = GuardedRedis(config.redis_url, config.redis)
     s3 = S3Tier(config.s3)
     if setup.gate_fd is not None:
-        s3.pace = GateFollower(setup.gate_fd, setup.max_hold).wait
+        s3.pace = GateFollower(setup.gate_fd).wait
     writer = S3Writer(
         s3,
         Leases(redis, config.redis.write_lease_ttl, config.redis.read_lease_ttl),
