@@ -112,6 +112,8 @@ class TierCacheConnector(KVConnectorBase_V1):
         self.scheduler: TierCacheScheduler | None = None
         self.worker: TierCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            from vllm.platforms import current_platform
+
             events = vllm_config.kv_events_config
             self.scheduler = TierCacheScheduler(
                 self.config,
@@ -120,6 +122,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 worker_count=self.tp_size,
                 hashing=block_hashing(vllm_config, specs[0].block_size),
                 kv_events=bool(events is not None and events.enable_kv_cache_events),
+                kv_in_host_memory=current_platform.device_type == "cpu",
             )
             self._gauges = GaugeReport("scheduler")
         else:

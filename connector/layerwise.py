@@ -1,6 +1,7 @@
 """A hit loaded from CPU slots into the paged KV layer by layer, while the forward runs:
-a CPU-tier hit in the step that computes its request, and a disk or S3 hit, once
-staged into slots, from the end of the step that reports it until the next forward
+a CPU-tier hit in the step that computes its request (with its disk blocks, read
+from their objects where `disk.load_in_forward` allows, disk_reads.py), and a disk
+or S3 hit, once staged into slots, from the end of the step that reports it until the next forward
 (the earliest that can read it) has waited for every layer.
 
 Copying a whole hit before the forward starts puts the full copy on the critical path
@@ -25,6 +26,7 @@ import torch
 from tiercache.tiers.cpu import CpuBuffer
 
 from .copier import PagedKVCopier, runs
+from .disk_reads import DiskReads
 
 
 class LayerwiseLoad:
@@ -36,7 +38,10 @@ class LayerwiseLoad:
         block_ids: list[int],
         order: list[str],
         helper: ThreadPoolExecutor,
+        disk: DiskReads | None = None,
     ):
+        """`disk`: blocks read from their disk objects along with each layer, checked
+        once every layer is in (disk_reads.py)."""
         self._copier = copier
         self._buffer = buffer
         self._spans = runs(block_ids, slots)
@@ -46,6 +51,12 @@ class LayerwiseLoad:
         self._done = {name: threading.Event() for name in self._order}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._disk = disk
+        self._unchecked = list(range(len(disk))) if disk is not None else []
+        self._checks_left = len(self._unchecked)
+        self._checked = threading.Event()
+        if not self._checks_left:
+            self._checked.set()
         helper.submit(self._run_helper)
 
     def _claim(self, name: str | None = None, from_back: bool = False) -> str | None:
@@ -65,6 +76,8 @@ class LayerwiseLoad:
             # written in that mode; the mode is per thread.
             with torch.inference_mode():
                 self._copier.copy_region(self._regions[name], self._spans, self._buffer, out_of_kv=False)
+            if self._disk is not None:
+                self._disk.read_layer(self._regions[name])
         except BaseException as error:  # surfaced to the forward's thread in wait()
             self._error = error
         finally:
@@ -73,6 +86,26 @@ class LayerwiseLoad:
     def _run_helper(self) -> None:
         while (name := self._claim()) is not None:
             self._copy(name)
+        if self._checks_left:
+            for done in self._done.values():
+                done.wait()
+            self._run_checks()
+
+    def _run_checks(self) -> None:
+        """Verify disk blocks until none is left unclaimed (every layer is in)."""
+        assert self._disk is not None  # checks exist only with disk reads
+        while True:
+            with self._lock:
+                if not self._unchecked:
+                    return
+                index = self._unchecked.pop()
+            try:
+                self._disk.check(index)
+            finally:
+                with self._lock:
+                    self._checks_left -= 1
+                    if not self._checks_left:
+                        self._checked.set()
 
     def wait(self, name: str) -> None:
         """Return once layer `name` is in the paged KV (at once for a layer this load
@@ -93,6 +126,10 @@ class LayerwiseLoad:
             raise self._error
 
     def finish(self) -> None:
-        """Wait for every layer: the step's forward is over, or never asked."""
+        """Wait for every layer, and for the disk blocks' checks: the step's forward is
+        over, or never asked."""
         for name in self._order:
             self.wait(name)
+        if self._checks_left:
+            self._run_checks()
+            self._checked.wait()

@@ -49,6 +49,7 @@ FILL_FAILED = "fill_failed"  # value (block hash, slot)
 RELEASED = "released"  # value slot: this rank no longer reads or writes it (one pin)
 ON_DISK = "on_disk"  # value block hash: written to this rank's disk tier
 OFF_DISK = "off_disk"  # value block hash: evicted or lost from this rank's disk tier
+READ_FAILED = "read_failed"  # value block hash: its read into the paged KV in the forward failed
 
 Report = tuple[int, str, Any]
 # A measurement for the scheduler's cost model: (tier, blocks, seconds) of one load's

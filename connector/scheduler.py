@@ -40,6 +40,7 @@ from .metadata import (
     FORWARD,
     OFF_DISK,
     ON_DISK,
+    READ_FAILED,
     RELEASED,
     BlockOp,
     LoadJob,
@@ -95,11 +96,17 @@ class TierCacheScheduler:
         *,
         hashing: BlockHashing | None = None,
         kv_events: bool = False,
+        kv_in_host_memory: bool = False,
     ):
         """`hashing`: how vLLM names this deployment's blocks, registered for the
         service's token lookups; `kv_events`: vLLM publishes KV events, so tier
-        changes are kept for `take_events`."""
+        changes are kept for `take_events`; `kv_in_host_memory`: the paged KV is in
+        host memory (vLLM's CPU backend), where disk hits may be read into it during
+        the forward."""
         self.config = config
+        # A hit with no S3 block then loads synchronously, its disk blocks through no
+        # CPU slot (connector/disk_reads.py).
+        self.disk_in_forward = kv_in_host_memory and config.disk is not None and config.disk.load_in_forward
         self.specs = specs
         self.block_size = specs[0].block_size
         self.model_digest = specs[0].model_digest()
@@ -276,13 +283,21 @@ class TierCacheScheduler:
             else:
                 LOOKUP_BLOCKS.inc(limit - first)
             cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
-        tiers = self._fit_to_cpu_tier(tiers, hashes[first : first + len(tiers)])
+        if self._is_async(tiers):
+            tiers = self._fit_to_cpu_tier(tiers, hashes[first : first + len(tiers)])
         load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
         # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.
         cached.hit = tiers
         if not load:
             return 0, False
-        return load * self.block_size, any(t != CPU for t in tiers[:load])
+        return load * self.block_size, self._is_async(tiers[:load])
+
+    def _is_async(self, tiers: list[str]) -> bool:
+        """Whether a hit from these tiers is staged into CPU slots before its request
+        is scheduled (an asynchronous load), rather than copied in during the forward."""
+        if self.disk_in_forward:
+            return S3 in tiers
+        return any(tier != CPU for tier in tiers)
 
     def _fit_to_cpu_tier(self, tiers: list[str], hashes) -> list[str]:
         """Each disk or S3 block is staged through a CPU slot of its own. A hit that
@@ -319,7 +334,7 @@ class TierCacheScheduler:
         # vLLM waits for the kind of load the lookup announced (an async one until the
         # worker reports the request finished receiving): a block lost since the
         # lookup fails and is recomputed, but never changes that kind.
-        is_async = any(tier != CPU for tier in lookup.tiers[:count])
+        is_async = self._is_async(lookup.tiers[:count])
         self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
         ops: list[BlockOp] = []
         for i, tier in enumerate(lookup.tiers[:count]):
@@ -364,14 +379,18 @@ class TierCacheScheduler:
     def _plan_load(self, block_hash: bytes, gpu_block: int, tier: str, may_stage: bool) -> BlockOp:
         """Pin the block's CPU slot (or a new one to stage it into). A block lost since
         the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it.
-        Only an async load (`may_stage`) may fall back from the CPU tier to disk."""
+        A disk block of a synchronous load is read in the forward, through no slot.
+        A block gone from the CPU tier falls back to disk where its load can read it."""
         if tier == CPU:
             slot = self.policy.pin_ready(block_hash)
             if slot is not None:
                 return BlockOp(block_hash, gpu_block, slot, CPU)
-            tier = DISK if may_stage and block_hash in self.policy.on_disk else ""
+            reads_disk = may_stage or self.disk_in_forward
+            tier = DISK if reads_disk and block_hash in self.policy.on_disk else ""
         if not tier:
             return BlockOp(block_hash, gpu_block, -1, "")
+        if tier == DISK and not may_stage:
+            return BlockOp(block_hash, gpu_block, -1, DISK)
         if block_hash in self.slots:  # a store or another load is filling it right now
             return BlockOp(block_hash, gpu_block, -1, "")
         try:
@@ -490,6 +509,8 @@ class TierCacheScheduler:
         elif kind == OFF_DISK:
             self.ledger.gone_from_disk(rank, value)
             self.policy.gone_from_disk(value)
+        elif kind == READ_FAILED:
+            self.load_failures.add(value)
 
     def request_finished(self, request: Request) -> tuple[bool, None]:
         # Stores copy out of the paged KV before the step ends: nothing to hold.

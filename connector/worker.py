@@ -22,6 +22,7 @@ from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
+from .disk_reads import DiskRead, DiskReads
 from .forward_timer import ForwardTimer
 from .layerwise import LayerwiseLoad
 from .layerwise_gpu import StreamLayerwiseLoad, StreamLayerwiseSave
@@ -31,6 +32,7 @@ from .metadata import (
     FORWARD,
     OFF_DISK,
     ON_DISK,
+    READ_FAILED,
     RELEASED,
     BlockOp,
     LoadJob,
@@ -67,6 +69,13 @@ class _LayerwiseStep:
     ops: list[BlockOp]
     started: float | None  # set for CPU hits, whose load time ends with the copy
     staged_ok: dict[int, bool]
+    disk: DiskReads | None = None  # disk blocks read into the paged KV by this load
+
+
+def reads_in_forward(op: BlockOp) -> bool:
+    """A disk block of a synchronous load: read from its object into the paged KV
+    during the forward, through no CPU slot (disk_reads.py)."""
+    return op.tier == DISK and op.slot < 0
 
 
 class TierCacheWorker:
@@ -248,15 +257,45 @@ class TierCacheWorker:
         return load
 
     def _load_cpu_hits(self, jobs: list[LoadJob]) -> None:
-        """This step's hits wholly in the CPU tier: layer by layer beside the forward
-        when that is known to be safe, else now, before the forward."""
+        """This step's synchronous hits: in the CPU tier, and on disk where read in the
+        forward. Layer by layer beside the forward when that is known to be safe, else
+        now, before the forward."""
         started = time.perf_counter()
-        if not self._layerwise_ready():
+        opened = self._open_disk_reads(jobs)
+        staged_ok = {id(op): id(op) in opened for job in jobs for op in job.ops if reads_in_forward(op)}
+        if not self._layerwise_ready() and not opened:
             for job in jobs:
-                self._finish_load(job.ops, staged_ok={})
+                self._finish_load(job.ops, staged_ok)
             self._stats.observe_load(CPU, time.perf_counter() - started)
             return
-        self._load_layerwise([job.ops for job in jobs], staged_ok={}, started=started)
+        self._load_layerwise(
+            [job.ops for job in jobs],
+            staged_ok,
+            started=started,
+            opened=opened,
+            now=not self._layerwise_ready(),
+        )
+
+    def _open_disk_reads(self, jobs: list[LoadJob]) -> dict[int, DiskRead]:
+        """The disk blocks to read in the forward, each object opened with its header
+        checked, by id of their op. A block that cannot be opened is missing here, so
+        it fails (and so does the rest of its prefix)."""
+        wanted = [op for job in jobs for op in job.ops if reads_in_forward(op)]
+        if not wanted:
+            return {}
+        assert self.engine is not None  # loads are planned only with an engine
+        opened: dict[int, DiskRead] = {}
+        # Reads need the helper thread's layer-by-layer load, which the CPU backend has;
+        # the scheduler plans them nowhere else.
+        if self._layer_helper is None:
+            return opened
+        for op in wanted:
+            pages = self.engine.open_disk_pages(op.block_hash)
+            if pages is None:
+                self._emit(READ_FAILED, op.block_hash)
+            else:
+                opened[id(op)] = DiskRead(op.gpu_block, pages)
+        return opened
 
     def _layerwise_ready(self) -> bool:
         if self._layer_order is None:
@@ -265,27 +304,45 @@ class TierCacheWorker:
         return self._layer_helper is not None or self._stream_copies()
 
     def _load_layerwise(
-        self, jobs_ops: list[list[BlockOp]], staged_ok: dict[int, bool], started: float | None
+        self,
+        jobs_ops: list[list[BlockOp]],
+        staged_ok: dict[int, bool],
+        started: float | None,
+        opened: dict[int, DiskRead] | None = None,
+        now: bool = False,
     ) -> None:
         """Start copying the good blocks of these loads in the background; the next
-        forward waits for each layer before its attention reads it."""
+        forward waits for each layer before its attention reads it. `opened`: disk
+        objects to read in with them; `now`: the layer order is not known yet, so the
+        load is done before the forward instead."""
+        opened = opened or {}
         ops = [op for job_ops in jobs_ops for op in job_ops]
         # Each request's prefix must be whole; one request's lost block fails only its own.
         good = [op for job_ops in jobs_ops for op in self._good_prefix(job_ops, staged_ok)]
+        for op_id in opened.keys() - {id(op) for op in good}:
+            opened[op_id].pages.close()  # past a failed block: not read
         if not good:
             self._release(ops, staged_ok)
             return
-        slots, blocks = [op.slot for op in good], [op.gpu_block for op in good]
-        # _layerwise_ready: the layer order is known, with the KV caches registered.
-        assert self.copier is not None and self.buffer is not None and self._layer_order is not None
+        from_slots = [op for op in good if not reads_in_forward(op)]
+        slots, blocks = [op.slot for op in from_slots], [op.gpu_block for op in from_slots]
+        assert self.copier is not None and self.buffer is not None and self.engine is not None
+        disk = None
+        if opened.keys() & {id(op) for op in good}:
+            assert self.engine.disk is not None  # blocks were opened from it
+            reads = [opened[id(op)] for op in good if id(op) in opened]
+            disk = DiskReads(self.copier.regions, reads, self.engine.disk, self.engine.integrity_key)
+        order = self._layer_order or [region.name for region in self.copier.regions]
         load: LayerwiseLoad | StreamLayerwiseLoad
         if self._layer_helper is None:
-            load = StreamLayerwiseLoad(self.copier, self.buffer, slots, blocks, self._layer_order)
+            load = StreamLayerwiseLoad(self.copier, self.buffer, slots, blocks, order)
         else:
-            load = LayerwiseLoad(
-                self.copier, self.buffer, slots, blocks, self._layer_order, self._layer_helper
-            )
-        self._layerwise.append(_LayerwiseStep(load, ops, started, staged_ok))
+            load = LayerwiseLoad(self.copier, self.buffer, slots, blocks, order, self._layer_helper, disk)
+        step = _LayerwiseStep(load, ops, started, staged_ok, disk)
+        if now:
+            self._end_load(step)
+        else:
+            self._layerwise.append(step)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM calls this before each attention layer of a step's forward."""
@@ -298,16 +355,31 @@ class TierCacheWorker:
             self.engine.foreground.release()
         steps, self._layerwise = self._layerwise, []
         for step in steps:
-            step.load.finish()
-            if step.started is not None:
-                self._stats.observe_load(CPU, time.perf_counter() - step.started)
-            self._release(step.ops, step.staged_ok)
+            self._end_load(step)
         seen, self._layers_this_step = self._layers_this_step, []
         if self._layer_order is None and self.copier is not None and seen:
             registered = {region.name for region in self.copier.regions}
             if registered <= set(seen):
                 self._layer_order = [name for name in dict.fromkeys(seen) if name in registered]
                 log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
+
+    def _end_load(self, step: _LayerwiseStep) -> None:
+        """Wait for a layer-by-layer load to be in the paged KV; report its disk blocks
+        that did not load as failed (vLLM recomputes them, and drops what this step
+        computed from them)."""
+        step.load.finish()
+        if step.disk is not None:
+            failed = step.disk.failed()
+            step.disk.close()
+            for read in step.disk.reads:
+                self._count_loaded(DISK, ok=read.gpu_block not in failed)
+            for op in step.ops:
+                if reads_in_forward(op) and op.gpu_block in failed:
+                    self._failed_blocks.add(op.gpu_block)
+                    self._emit(READ_FAILED, op.block_hash)
+        if step.started is not None:
+            self._stats.observe_load(CPU, time.perf_counter() - step.started)
+        self._release(step.ops, step.staged_ok)
 
     def _poll_async(self) -> None:
         still = []
@@ -348,19 +420,26 @@ class TierCacheWorker:
         failed = False
         for op in ops:
             ok = op.tier == CPU or staged_ok.get(id(op), False)
-            if op.tier in (DISK, S3):
+            if op.tier in (DISK, S3) and op.slot >= 0:
                 self._emit(FILLED if ok else FILL_FAILED, (op.block_hash, op.slot))
             if ok and not failed:
                 good.append(op)
-                self._hits[op.tier] += 1
-                self._stats.add(f"loaded_blocks_{op.tier}", 1)
-                assert self.buffer is not None  # loads run with an engine
-                self._stats.add(f"loaded_bytes_{op.tier}", self.buffer.slot_bytes)
+                if not reads_in_forward(op):  # those count once read (_end_load)
+                    self._count_loaded(op.tier, ok=True)
             else:
                 failed = True
                 self._failed_blocks.add(op.gpu_block)
-                self._stats.add(f"failed_blocks_{op.tier or 'cpu'}", 1)
+                self._count_loaded(op.tier, ok=False)
         return good
+
+    def _count_loaded(self, tier: str, ok: bool) -> None:
+        if not ok:
+            self._stats.add(f"failed_blocks_{tier or 'cpu'}", 1)
+            return
+        self._hits[tier] += 1
+        self._stats.add(f"loaded_blocks_{tier}", 1)
+        assert self.buffer is not None  # loads run with an engine
+        self._stats.add(f"loaded_bytes_{tier}", self.buffer.slot_bytes)
 
     def _release(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """The load is in the paged KV: give the slots back (or promote to disk)."""
@@ -383,7 +462,9 @@ class TierCacheWorker:
         for job in meta.loads:
             for op in job.ops:
                 self._failed_blocks.add(op.gpu_block)
-                if op.tier in (DISK, S3):
+                if reads_in_forward(op):
+                    self._emit(READ_FAILED, op.block_hash)
+                elif op.tier in (DISK, S3):
                     self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 if op.slot >= 0:
                     self._emit(RELEASED, op.slot)

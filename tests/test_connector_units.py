@@ -15,6 +15,7 @@ from tiercache.connector.metadata import (
     FILL_FAILED,
     FILLED,
     ON_DISK,
+    READ_FAILED,
     RELEASED,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
@@ -116,9 +117,14 @@ def kv_cache_config():
     return SimpleNamespace(kv_cache_groups=[group], num_blocks=64)
 
 
-def make_scheduler(tp: int = 1, capacity_slots: int = 8, **config) -> TierCacheScheduler:
+def make_scheduler(
+    tp: int = 1, capacity_slots: int = 8, kv_in_host_memory: bool = False, **config
+) -> TierCacheScheduler:
     cfg = build_config({"cpu": {"capacity": capacity_slots * 2 * PAGE}, **config})
-    return TierCacheScheduler(cfg, [spec(r, tp) for r in range(tp)], kv_cache_config(), worker_count=tp)
+    specs = [spec(r, tp) for r in range(tp)]
+    return TierCacheScheduler(
+        cfg, specs, kv_cache_config(), worker_count=tp, kv_in_host_memory=kv_in_host_memory
+    )
 
 
 def request(req_id: str, n_blocks: int, extra_tokens: int = 1):
@@ -195,6 +201,47 @@ def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     assert job.is_async and [op.tier for op in job.ops] == ["disk", "disk"]
     report(sched, (FILL_FAILED, (hashes[0], job.ops[0].slot)), filled(job.ops[1]))
     assert hashes[0] not in sched.slots and hashes[1] in sched.policy.ready
+
+
+DISK_ROOT = "/tmp/tiercache-unit-disk-never-created"
+
+
+@pytest.mark.parametrize("load_in_forward", [True, False])
+def test_with_the_kv_in_host_memory_a_disk_hit_is_read_in_the_forward_through_no_slot(load_in_forward):
+    sched = make_scheduler(
+        capacity_slots=2, kv_in_host_memory=True, disk={"path": DISK_ROOT, "load_in_forward": load_in_forward}
+    )
+    req = request("r1", 4)
+    hashes = [bytes(h) for h in req.block_hashes]
+    for h in hashes:
+        sched.policy.on_disk[h] = None
+    if not load_in_forward:  # staged as on a GPU: async, cut to the two free slots
+        assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+        return
+    # Synchronous, and not cut to the CPU tier's two slots: no slot is needed.
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
+    sched.update_state_after_alloc(req, blocks_of(range(10, 15)), 4 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert not job.is_async
+    assert [(op.tier, op.slot, op.gpu_block) for op in job.ops] == [("disk", -1, g) for g in range(10, 14)]
+    assert sched.slots.pinned() == 0 and sched.gauges()["loads_in_flight"] == 0
+    # A block whose read failed is not offered again: the hit stops before it.
+    report(sched, (READ_FAILED, hashes[2]))
+    assert sched.get_num_new_matched_tokens(request("r2", 4), 0) == (2 * BLOCK, False)
+
+
+def test_with_the_kv_in_host_memory_a_hit_with_s3_blocks_is_still_staged():
+    sched = make_scheduler(kv_in_host_memory=True, disk={"path": DISK_ROOT})
+    req = request("r1", 3)
+    hashes = [bytes(h) for h in req.block_hashes]
+    sched.policy.on_disk[hashes[0]] = None
+    sched.s3_index = SimpleNamespace(longest_prefix=lambda model, ranks, wanted: len(wanted))
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(req, blocks_of(range(10, 14)), 3 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert (
+        job.is_async and [(op.tier, op.slot >= 0) for op in job.ops] == [("disk", True)] + [("s3", True)] * 2
+    )
 
 
 def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():

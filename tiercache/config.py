@@ -91,6 +91,13 @@ class DiskTierConfig(_Strict):
     # O_DIRECT bypasses the page cache: right for NVMe that holds far more than RAM.
     o_direct: bool = False
     fsync: bool = Field(default=False, description="fsync each object before its rename")
+    # Where the KV cache lives in host memory (vLLM's CPU backend), a hit on disk is
+    # read straight into the paged KV beside the forward, layer by layer, as a CPU
+    # hit is copied (connector/disk_reads.py). Off, or on GPUs, it is staged into a
+    # CPU slot first, outside any forward.
+    load_in_forward: bool = Field(
+        default=True, description="on the CPU backend, read disk hits into the KV inside the forward"
+    )
 
     @field_validator("path")
     @classmethod

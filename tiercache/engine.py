@@ -31,7 +31,7 @@ from tiercache.threads import any_cpu_thread, background_nice, background_thread
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk import DiskPages, DiskTier
 from tiercache.tiers.format import ObjectHeader
 from tiercache.tiers.s3 import S3Tier
 from tiercache.uploader import UploadProcess, UploadSetup
@@ -357,6 +357,18 @@ class TierEngine:
     def _read_disk(self, block_hash: bytes, key: str, out: memoryview) -> bool:
         assert self.disk is not None  # read_into reads only the tiers in self.lower
         return self.disk.get_into(key, out, self.shape.pages)
+
+    def open_disk_pages(self, block_hash: bytes) -> DiskPages | None:
+        """The block's disk object opened for a read into the paged KV during the
+        forward (connector/disk_reads.py); None where it cannot be served."""
+        if self.disk is None:
+            return None
+        return self.disk.open_pages(self.shape.key(block_hash), self.shape.slot_bytes, self.shape.pages)
+
+    @property
+    def integrity_key(self) -> bytes | None:
+        """What a read must verify the pages with (None: the plain checksum)."""
+        return self._integrity_key
 
     def _download(self, block_hash: bytes, key: str, out: memoryview) -> bool:
         return self.read_s3([(block_hash, out)])[0]

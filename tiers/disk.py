@@ -377,18 +377,61 @@ class DiskTier:
             self._forget(key)
             return False
         except CorruptObject as error:
-            TIER_ERRORS.labels(TIER, "corrupt").inc()
-            log.warning("disk tier: corrupt object %s removed: %s", key, error)
-            self.delete(key)
+            self.discard(key, error)
             return False
         except OSError as error:
-            TIER_ERRORS.labels(TIER, "io").inc()
-            log.warning("disk tier: read of %s failed: %s", key, error)
+            self.read_failed(key, error)
             return False
+        self._used(key)
+        return True
+
+    def open_pages(self, key: str, nbytes: int, expect: PageShape | None = None) -> DiskPages | None:
+        """Open one object to read its pages piece by piece (a disk hit read into the
+        paged KV during the forward), its header read and checked. The caller verifies
+        the pages it read against the header and closes it. A missing object is None;
+        a corrupt or mismatched header is removed, counted, and None."""
+        path = self.layout.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as error:
+            self.read_failed(key, error)
+            return None
+        try:
+            head = os.pread(fd, DATA_ALIGN, 0)
+            offset = 8 + header_length(head[:8])
+            raw = head[8:offset] if offset <= len(head) else os.pread(fd, offset - 8, 8)
+            header = decode_header(raw)
+            check_header(header, key, nbytes)
+            if expect is not None:
+                expect.check(header)
+        except CorruptObject as error:
+            os.close(fd)
+            self.discard(key, error)
+            return None
+        except OSError as error:
+            os.close(fd)
+            self.read_failed(key, error)
+            return None
+        self._used(key)
+        return DiskPages(key, fd, header, offset)
+
+    def discard(self, key: str, error: CorruptObject) -> None:
+        """An object read back wrong: counted, logged and removed, so it is a miss from now on."""
+        TIER_ERRORS.labels(TIER, "corrupt").inc()
+        log.warning("disk tier: corrupt object %s removed: %s", key, error)
+        self.delete(key)
+
+    def read_failed(self, key: str, error: OSError) -> None:
+        TIER_ERRORS.labels(TIER, "io").inc()
+        log.warning("disk tier: read of %s failed: %s", key, error)
+
+    def _used(self, key: str) -> None:
         with self._lock:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
-        return True
 
     def _read_verified(self, fd: int, key: str, out: memoryview, expect: PageShape | None = None) -> None:
         """Fill `out` with the object's pages and check them against its header.
@@ -499,6 +542,36 @@ class DiskTier:
         with contextlib.suppress(OSError):
             now = time.time()
             os.utime(self.path_of(key), (now, now))
+
+
+class DiskPages:
+    """One object open for reading, its header checked: the pages are read piece by
+    piece at offsets into them. The file stays readable while open, even if the tier
+    evicts it meanwhile (the unlink frees it at the close)."""
+
+    def __init__(self, key: str, fd: int, header: ObjectHeader, offset: int):
+        self.key = key
+        self.header = header
+        self._fd = fd
+        self._offset = offset  # of the pages in the file
+
+    def read(self, at: int, views: list[memoryview]) -> None:
+        """Fill `views`, in order, from the pages' byte `at` on; CorruptObject where
+        the file ends first."""
+        views = [view for view in views if len(view)]
+        while views:
+            got = os.preadv(self._fd, views, self._offset + at)
+            if got == 0:
+                raise CorruptObject(f"object {self.key} truncated before byte {at} of its pages")
+            at += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _unmark(marks: Counter[str], key: str) -> None:

@@ -95,7 +95,6 @@ def _field_name(loc: tuple) -> str:
     return ".".join(parts) or "(body)"
 
 
-
 def add_error_handlers(app: FastAPI) -> None:
     """Invalid requests answer 422 with each problem named (never the echoed input
     unescaped); Redis or S3 not answering is a 503, never a 500."""

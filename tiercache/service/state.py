@@ -344,4 +344,3 @@ class ServiceState:
         for redis in (self.redis, self.gc_redis):
             if redis is not None:
                 redis.close()
-

@@ -148,4 +148,3 @@ def collect_stats(config: TierCacheConfig) -> dict[str, Any]:
     finally:
         if redis is not None:
             redis.close()
-

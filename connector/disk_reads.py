@@ -1,0 +1,126 @@
+"""Disk hits read straight into the paged KV during the forward, layer by layer, where
+the KV cache is in host memory (vLLM's CPU backend; `disk.load_in_forward`).
+
+Staged instead, a disk hit is read into CPU slots before its request is scheduled,
+then copied into the paged KV beside the next forward: two copies, one of them ahead
+of the forward, and an engine step more. Read here, it is one copy, from the page
+cache into the KV, done by the layer-by-layer load (layerwise.py) as each layer's
+turn comes, so a disk hit costs about what a CPU hit does.
+
+Each block's object was opened and its header checked before the forward. A layer's
+page of a block is read from the object at that layer's offset in the slot layout
+(copier.py) into the block's page of that layer's tensor. The pages are checked
+against the header's checksum (or MAC) once every layer is in: over the bytes now in
+the KV, in the slot layout's order. A block that could not be read, or whose bytes do
+not verify, is a failed block: vLLM's recompute policy truncates the request there and
+computes the rest, so this step's output of that request is dropped, never served."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tiercache.errors import CorruptObject
+from tiercache.tiers.disk import DiskPages, DiskTier
+from tiercache.tiers.format import verify_pieces
+
+from .copier import LayerRegion
+
+log = logging.getLogger("tiercache.connector")
+
+
+def block_pieces(region: LayerRegion, block: int) -> list[memoryview]:
+    """The bytes of one block's page of a layer, as writable views of the tensor's
+    memory, in the order the copier lays them out in a slot. One view where the page
+    is contiguous (the CPU backend's layout); else one per contiguous piece."""
+    return _pieces(region.blocks[block])
+
+
+def _pieces(tensor: torch.Tensor) -> list[memoryview]:
+    if tensor.is_contiguous():
+        nbytes = tensor.numel() * tensor.element_size()
+        return [memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")]
+    return [view for part in tensor.unbind(0) for view in _pieces(part)]
+
+
+@dataclass
+class DiskRead:
+    gpu_block: int
+    pages: DiskPages
+    error: CorruptObject | OSError | None = None  # why it cannot be served
+
+
+class DiskReads:
+    """One step's disk blocks being read into the paged KV: `read_layer` for each
+    layer, in any order and from any thread (each layer by one thread), then `check`
+    for each block once every layer is in, then `close`."""
+
+    def __init__(
+        self, regions: list[LayerRegion], reads: list[DiskRead], disk: DiskTier, integrity_key: bytes | None
+    ):
+        self.regions = regions  # in slot order
+        self.reads = reads
+        self._disk = disk
+        self._integrity_key = integrity_key
+
+    def __len__(self) -> int:
+        return len(self.reads)
+
+    def read_layer(self, region: LayerRegion) -> None:
+        for read in self.reads:
+            if read.error is not None:
+                continue
+            try:
+                read.pages.read(region.offset, block_pieces(region, read.gpu_block))
+            except (CorruptObject, OSError) as error:
+                read.error = error
+
+    def check(self, index: int) -> None:
+        """Verify block `index`'s pages, now in the paged KV, against its header."""
+        read = self.reads[index]
+        if read.error is not None:
+            return
+        try:
+            verify_pieces(read.pages.header, self._slot_order(read), self._integrity_key)
+        except (CorruptObject, OSError) as error:
+            read.error = error
+
+    def _slot_order(self, read: DiskRead):
+        """The object's pages as they lie in the file: each layer's page from the KV,
+        and from the file the padding between them (where a page's size is not a
+        multiple of the slot layout's alignment)."""
+        at = 0
+        for region in self.regions:
+            if region.offset > at:
+                yield self._file_bytes(read, at, region.offset - at)
+            yield from block_pieces(region, read.gpu_block)
+            at = region.offset + region.nbytes
+        if read.pages.header.nbytes > at:
+            yield self._file_bytes(read, at, read.pages.header.nbytes - at)
+
+    @staticmethod
+    def _file_bytes(read: DiskRead, at: int, count: int) -> bytearray:
+        out = bytearray(count)
+        read.pages.read(at, [memoryview(out)])
+        return out
+
+    def failed(self) -> set[int]:
+        """The paged-KV blocks that did not load; each object behind one is removed
+        where it was found corrupt."""
+        failed = set()
+        for read in self.reads:
+            if read.error is None:
+                continue
+            failed.add(read.gpu_block)
+            if isinstance(read.error, CorruptObject):
+                self._disk.discard(read.pages.key, read.error)
+            else:
+                self._disk.read_failed(read.pages.key, read.error)
+        return failed
+
+    def close(self) -> None:
+        for read in self.reads:
+            read.pages.close()
