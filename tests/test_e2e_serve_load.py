@@ -383,7 +383,10 @@ def tiers(workdir, redis_url, s3_endpoint) -> dict:
 
 @pytest.fixture(scope="module")
 def cold(model, workdir, tiers, reference) -> Run:
-    run = serve("cold", workdir, model, load_jobs(seed=1), kv=connector_config(tiers))
+    # Disk hits staged through CPU slots, as on GPUs; the restarted server reads them
+    # into the paged KV during the forward (the CPU backend's default).
+    staged = {**tiers, "disk": {**tiers["disk"], "load_in_forward": False}}
+    run = serve("cold", workdir, model, load_jobs(seed=1), kv=connector_config(staged))
     run.tmp_files = [str(p) for p in (workdir / "disk").rglob(".tmp-*")]
     return run
 
