@@ -65,6 +65,11 @@ from harness import (
 # -- TTFT -----------------------------------------------------------------------------
 
 
+# Disk hits staged into CPU slots (as on GPUs), so that the same prompt asked again
+# is a CPU-tier hit: the disk hit / CPU hit pairs below need one.
+STAGED_DISK = {"load_in_forward": False}
+
+
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
     from tiercache.testing.vllm_runner import connector_config
 
@@ -134,11 +139,13 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
             kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}),
         )
         # 5. A fresh engine, disk tier only: disk hits, then the same prompt again
-        #    (now a CPU hit, with no write-through in flight).
+        #    (now a CPU hit, with no write-through in flight). Staged, as on GPUs: a
+        #    disk hit read in the forward (the CPU backend's default) is not promoted,
+        #    so no CPU hit would follow; hit_pairs.py measures that read.
         engine(
             "tiercache_disk",
             warm(False, stored=True) + hits(twice=True),
-            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}}),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": STAGED_DISK | {"path": str(disk_full)}}),
         )
         # 6. A fresh engine with an empty disk: S3 hits (via one Redis lookup).
         engine(
@@ -221,7 +228,9 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{disk_full} holds no objects: run `e2e.py ttft` first, with the same --workdir")
     asks = Requests(lengths, args.repeats)
     runner = ttft_runner(args, work, max(lengths), work / "partial-disk.json")
-    kv = tiercache_kv({"cpu": {"capacity": args.cpu_capacity}, "disk": {"path": str(disk_full)}})
+    kv = tiercache_kv(
+        {"cpu": {"capacity": args.cpu_capacity}, "disk": STAGED_DISK | {"path": str(disk_full)}}
+    )
     pairs: dict[str, list[float]] = {}
     extra: dict[str, list[float]] = {}
     floor: list[float] = []
