@@ -9,11 +9,14 @@ turn comes, so a disk hit costs about what a CPU hit does.
 
 Each block's object was opened and its header checked before the forward. A layer's
 page of a block is read from the object at that layer's offset in the slot layout
-(copier.py) into the block's page of that layer's tensor. The pages are checked
-against the header's checksum (or MAC) once every layer is in: over the bytes now in
-the KV, in the slot layout's order. A block that could not be read, or whose bytes do
-not verify, is a failed block: vLLM's recompute policy truncates the request there and
-computes the rest, so this step's output of that request is dropped, never served."""
+(copier.py) into the block's page of that layer's tensor. Objects written for such
+reads carry a checksum per layer's page (format.PARTS_FIELD): each page is verified
+as it lands, while still in cache. Other objects (written elsewhere or by an older
+version), and any object where an integrity key asks for its MAC, are verified once
+every layer is in, over the bytes now in the KV in the slot layout's order. A block
+that could not be read, or whose bytes do not verify, is a failed block: vLLM's
+recompute policy truncates the request there and computes the rest, so this step's
+output of that request is dropped, never served."""
 
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from tiercache.errors import CorruptObject
 from tiercache.tiers.disk import DiskPages, DiskTier
-from tiercache.tiers.format import verify_pieces
+from tiercache.tiers.format import parse_parts, verify_pieces
 
 from .copier import LayerRegion
 
@@ -51,6 +55,10 @@ class DiskRead:
     gpu_block: int
     pages: DiskPages
     error: CorruptObject | OSError | None = None  # why it cannot be served
+    # Per layer (slot order): its part's (start, bytes, checksum), where the object
+    # carries one for each layer's page; and whether that part has been verified.
+    parts: list[tuple[int, int, str]] | None = None
+    verified: list[bool] | None = None
 
 
 class DiskReads:
@@ -65,23 +73,61 @@ class DiskReads:
         self.reads = reads
         self._disk = disk
         self._integrity_key = integrity_key
+        self._layer_index = {region.name: i for i, region in enumerate(regions)}
+        for read in reads:
+            self._use_parts(read)
+
+    def _use_parts(self, read: DiskRead) -> None:
+        """Verify this block layer by layer, each page as it lands, where its object
+        carries a checksum per layer's page (format.PARTS_FIELD). Not with an integrity
+        key: a plain checksum per part could be forged, only the MAC over the whole
+        object can say who wrote it."""
+        if self._integrity_key is not None:
+            return
+        parts = parse_parts(read.pages.header)
+        if parts is None or len(parts) != len(self.regions):
+            return
+        for (start, length, _), region in zip(parts, self.regions, strict=True):
+            if start != region.offset or length < region.nbytes:
+                return
+        read.parts = parts
+        read.verified = [False] * len(parts)
 
     def __len__(self) -> int:
         return len(self.reads)
 
     def read_layer(self, region: LayerRegion) -> None:
+        layer = self._layer_index[region.name]
         for read in self.reads:
             if read.error is not None:
                 continue
             try:
-                read.pages.read(region.offset, block_pieces(region, read.gpu_block))
+                self._read_page(read, region, layer)
             except (CorruptObject, OSError) as error:
                 read.error = error
 
+    @staticmethod
+    def _read_page(read: DiskRead, region: LayerRegion, layer: int) -> None:
+        views = block_pieces(region, read.gpu_block)
+        if read.parts is None or read.verified is None:
+            read.pages.read(region.offset, views)
+            return
+        _, length, expected = read.parts[layer]
+        if length > region.nbytes:  # the slot layout's padding after this page
+            views.append(memoryview(bytearray(length - region.nbytes)))
+        read.pages.read(region.offset, views)
+        digest = xxhash.xxh3_64()
+        for view in views:
+            digest.update(view)
+        if digest.hexdigest() != expected:
+            raise CorruptObject(f"checksum mismatch in layer {region.name} of {read.pages.key}")
+        read.verified[layer] = True
+
     def check(self, index: int) -> None:
-        """Verify block `index`'s pages, now in the paged KV, against its header."""
+        """Verify block `index`'s pages, now in the paged KV, against its header (at
+        once where every layer's page was verified as it landed)."""
         read = self.reads[index]
-        if read.error is not None:
+        if read.error is not None or (read.verified is not None and all(read.verified)):
             return
         try:
             verify_pieces(read.pages.header, self._slot_order(read), self._integrity_key)

@@ -161,7 +161,15 @@ class TierCacheWorker:
             )
         copier.warm_up(self.buffer)
         layout, dtype, shapes = copier.describe()
-        shape = ObjectShape(self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes)
+        # Objects this rank may read layer by layer into the paged KV carry a checksum
+        # per layer's page, so each is verified while still in cache (disk_reads.py).
+        reads_by_layer = (
+            not copier.on_cuda and self.config.disk is not None and self.config.disk.load_in_forward
+        )
+        offsets = tuple(region.offset for region in copier.regions) if reads_by_layer else ()
+        shape = ObjectShape(
+            self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes, offsets
+        )
         self.engine = TierEngine(
             self.config,
             shape,

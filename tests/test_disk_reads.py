@@ -4,6 +4,7 @@ be read or does not verify is a failed block (vLLM recomputes it), never served.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -31,7 +32,10 @@ LAYOUTS = {
 }
 
 
-def make_worker(kv, disk_root, integrity_key: str | None = None) -> TierCacheWorker:
+def make_worker(kv, disk_root, integrity_key: str | None = None, parts: bool = True) -> TierCacheWorker:
+    """`parts`: objects carry a checksum per layer's page (as written where disk hits
+    are read in the forward), else only the whole one (as written elsewhere, or by an
+    older version): both are read and verified."""
     slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
     settings = {
         "cpu": {"capacity": 8 * slot_bytes},
@@ -44,6 +48,9 @@ def make_worker(kv, disk_root, integrity_key: str | None = None) -> TierCacheWor
         build_config(settings), spec, "digest", NUM_BLOCKS, tp_rank=0, writes_lower_tiers=True, disk_share=0
     )
     worker.register_kv_caches(kv, slot_bytes)
+    assert worker.engine.shape.part_offsets  # written where disk hits are read in the forward
+    if not parts:
+        worker.engine.shape = dataclasses.replace(worker.engine.shape, part_offsets=())
     return worker
 
 
@@ -86,9 +93,14 @@ def kv(request):
     return LAYOUTS[request.param]()
 
 
+@pytest.fixture(params=[True, False], ids=["checksum per layer", "whole checksum only"])
+def parts(request):
+    return request.param
+
+
 @pytest.mark.parametrize("layer_order_known", [True, False], ids=["during the forward", "first step"])
-def test_a_disk_hit_lands_in_each_layer_before_its_attention_reads_it(kv, tmp_path, layer_order_known):
-    worker = make_worker(kv, tmp_path / "disk")
+def test_a_disk_hit_lands_in_each_layer_before_its_attention_reads_it(kv, parts, tmp_path, layer_order_known):
+    worker = make_worker(kv, tmp_path / "disk", parts=parts)
     try:
         if layer_order_known:
             step(worker, TierCacheMetadata())  # a step that shows every layer's hook
@@ -124,8 +136,8 @@ def corrupt_pages(path: str, at_fraction: float) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "deleted", "another block's object"])
-def test_a_disk_object_that_cannot_be_served_fails_only_its_block(kv, tmp_path, damage):
-    worker = make_worker(kv, tmp_path / "disk")
+def test_a_disk_object_that_cannot_be_served_fails_only_its_block(kv, parts, tmp_path, damage):
+    worker = make_worker(kv, tmp_path / "disk", parts=parts)
     try:
         step(worker, TierCacheMetadata())
         hashes = store_on_disk(worker, [0, 1])
@@ -197,3 +209,42 @@ def test_a_failed_block_fails_the_rest_of_its_prefix_at_once(tmp_path):
         assert all(torch.equal(page(kv, n, 7), page(kv, n, 0)) for n in LAYERS)
     finally:
         worker.shutdown()
+
+
+def test_with_a_checksum_per_layer_no_second_pass_reads_the_block(tmp_path, monkeypatch):
+    """Each layer's page is verified as it lands, while still in cache: the whole
+    block is not read again once every layer is in."""
+    from tiercache.connector import disk_reads
+
+    def second_pass(*args):
+        raise AssertionError("the block was read again to verify it")
+
+    torch.manual_seed(0)
+    kv = LAYOUTS["padded pages"]()
+    worker = make_worker(kv, tmp_path / "disk")
+    try:
+        step(worker, TierCacheMetadata())
+        hashes = store_on_disk(worker, [0, 1])
+        monkeypatch.setattr(disk_reads, "verify_pieces", second_pass)
+        step(worker, disk_hit(zip(hashes, [7, 8], strict=True)))
+        assert worker.take_failed_blocks() == set()
+        assert all(torch.equal(page(kv, n, 8), page(kv, n, 1)) for n in LAYERS)
+    finally:
+        worker.shutdown()
+
+
+def test_part_checksums_cover_the_pages_and_a_bad_field_is_not_trusted():
+    from tiercache.tiers.format import ObjectHeader, checksum, checksums_by_part, decode_header, parse_parts
+
+    data = memoryview(os.urandom(1000))
+    whole, parts = checksums_by_part(data, (0, 64, 640))
+    assert whole == checksum(data)
+    header = ObjectHeader("d/k", "d", 1000, whole, parts=parts)
+    decoded = decode_header(header.encode()[8:])
+    assert decoded == header
+    assert [(start, length) for start, length, _ in parse_parts(decoded)] == [(0, 64), (64, 576), (640, 360)]
+    assert parse_parts(decoded)[1][2] == checksum(data[64:640])
+    # Written without parts (older objects): the field is absent and nothing is parsed.
+    assert decode_header(ObjectHeader("d/k", "d", 1000, whole).encode()[8:]).parts == ""
+    for bad in ("64:ab,576:cd", "64:ab,936", "x:ab,1000:cd", "-5:ab,1005:cd"):
+        assert parse_parts(dataclasses.replace(header, parts=bad)) is None, bad

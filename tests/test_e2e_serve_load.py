@@ -48,6 +48,7 @@ SUFFIX_TOKENS = (56, 184, 600)  # the longest prompts are 1624 tokens
 MAX_MODEL_LEN = 2048
 MAX_BATCHED_TOKENS = 512  # below every prompt: each prefill is chunked over steps
 OUTPUT_TOKENS = 16
+STORM_OUTPUT_TOKENS = 300  # far more decode steps than half a second holds
 CLIENTS = 6
 # vLLM's paged KV of this model: 2 layers x (K, V) x 2 heads x 32 tokens x 64 x 4 bytes.
 KV_BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 64 * 4
@@ -146,13 +147,14 @@ async def complete(client: httpx.AsyncClient, base: str, model: str, name: str, 
     )
 
 
-async def hang_up(base: str, model: str, name: str, ids: list[int], delay: float) -> Outcome:
+async def hang_up(
+    base: str, model: str, name: str, ids: list[int], delay: float, max_tokens: int = OUTPUT_TOKENS
+) -> Outcome:
     """A client that gives up after `delay` seconds: its connection closes."""
+    request = body(model, ids, max_tokens=max_tokens)
     async with httpx.AsyncClient() as own:
         try:
-            await asyncio.wait_for(
-                own.post(f"{base}/v1/completions", json=body(model, ids), timeout=300), delay
-            )
+            await asyncio.wait_for(own.post(f"{base}/v1/completions", json=request, timeout=300), delay)
             return Outcome("hang_up", name, 200)  # it finished first: a plain completion
         except TimeoutError:
             return Outcome("hang_up", name)
@@ -191,9 +193,15 @@ async def drive(base: str, model: str, jobs: list[Job], seed: int) -> list[Outco
                 response = await client.post(f"{base}/v1/completions", json=body(model, ids), timeout=60)
                 outcomes.append(Outcome("too_long", "", response.status_code, error=response.text))
             elif job.kind == "storm":
-                # Sixteen clients arrive at once and all leave within half a second.
+                # Sixteen clients arrive at once and all leave within half a second,
+                # each before its answer: one that asked for OUTPUT_TOKENS could have
+                # it by then when its whole prompt is a hit (this model decodes fast).
                 names = rng.sample(sorted(PROMPTS), 16)
-                storm = [hang_up(base, model, n, PROMPTS[n], rng.uniform(0.01, 0.5)) for n in names]
+                delays = [rng.uniform(0.01, 0.5) for _ in names]
+                storm = [
+                    hang_up(base, model, n, PROMPTS[n], delay, max_tokens=STORM_OUTPUT_TOKENS)
+                    for n, delay in zip(names, delays, strict=True)
+                ]
                 outcomes.extend(await asyncio.gather(*storm))
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS)) as client:
@@ -364,21 +372,23 @@ def reference(model, workdir) -> Run:
 def tiers(workdir, redis_url, s3_endpoint) -> dict:
     create_bucket(s3_endpoint, "tc-load")
     # Hits from every tier are what this test checks, not the cost model's choices.
-    return loading_every_hit({
-        "namespace": "load",
-        "redis_url": redis_url,
-        "cpu": {"capacity": CPU_TIER_SLOTS * KV_BLOCK_BYTES},
-        "disk": {"path": str(workdir / "disk")},
-        # S3 runs of 16 blocks (the default): a block waiting for its run is copied
-        # out of its CPU slot, else this 48-slot tier stays pinned and the cold
-        # server serves next to no CPU-tier hits (issue 18).
-        "s3": {
-            "bucket": "tc-load",
-            "endpoint_url": s3_endpoint,
-            "region": "us-east-1",
-            "prefix": "load/",
-        },
-    })
+    return loading_every_hit(
+        {
+            "namespace": "load",
+            "redis_url": redis_url,
+            "cpu": {"capacity": CPU_TIER_SLOTS * KV_BLOCK_BYTES},
+            "disk": {"path": str(workdir / "disk")},
+            # S3 runs of 16 blocks (the default): a block waiting for its run is copied
+            # out of its CPU slot, else this 48-slot tier stays pinned and the cold
+            # server serves next to no CPU-tier hits (issue 18).
+            "s3": {
+                "bucket": "tc-load",
+                "endpoint_url": s3_endpoint,
+                "region": "us-east-1",
+                "prefix": "load/",
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")

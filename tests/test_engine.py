@@ -198,6 +198,10 @@ def test_cpu_tier_full_of_transfers_drops_the_store(stack):
     gate = threading.Event()
     upload = cache.engine.s3.put_run
     cache.engine.s3.put_run = lambda *args: gate.wait(60) and upload(*args)
+    # Held on disk too: a block's slot is freed once the disk has it (its S3 run
+    # waits with a copy), and a fast disk write freed slot 0 before the third put.
+    disk_put = cache.engine.disk.put
+    cache.engine.disk.put = lambda *args: gate.wait(60) and disk_put(*args)
     dropped = metric("tiercache_mover_dropped_total", {"tier": "cpu"})
     try:
         assert cache.put(block(0), data(0)) is not None

@@ -350,9 +350,7 @@ def make_write_back_worker(kv, disk_root) -> TierCacheWorker:
     ["stores, start_load_kv, wait_for_save", "stores, wait_for_save, start_load_kv"],
     ids=["start after the forward (vLLM, no sync loads)", "start after the save"],
 )
-def test_a_write_back_victim_is_written_down_as_it_was_before_its_slot_is_reused(
-    copy_path, order, tmp_path
-):
+def test_a_write_back_victim_is_written_down_as_it_was_before_its_slot_is_reused(copy_path, order, tmp_path):
     """vLLM starts a step's loads after its forward when none of them feeds it: by then
     the step's stores may have been copied into the victim's slot (on CUDA, layer by
     layer as the forward goes). The victim must still go down exactly as it was."""

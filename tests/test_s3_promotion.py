@@ -37,7 +37,12 @@ def worker_for(tmp_path, name: str, redis_url: str, endpoint: str, bucket: str, 
     )
     spec = KVSpec("m", "", "float32", "auto", 16, "cpu", len(LAYERS), 2, 8, 1, 0, "t", slot_bytes)
     worker = TierCacheWorker(
-        config, spec, "promotion-" + bucket, NUM_BLOCKS, tp_rank=0, writes_lower_tiers=True,
+        config,
+        spec,
+        "promotion-" + bucket,
+        NUM_BLOCKS,
+        tp_rank=0,
+        writes_lower_tiers=True,
         disk_share=1 << 26,
     )
     worker.register_kv_caches(kv, slot_bytes)

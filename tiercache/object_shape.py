@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.tiers.format import ObjectHeader, PageShape, checksum, sign
+from tiercache.tiers.format import ObjectHeader, PageShape, checksum, checksums_by_part, sign
 
 
 @dataclass(frozen=True)
@@ -19,20 +19,27 @@ class ObjectShape:
     layout: str = ""
     dtype: str = ""
     shapes: str = ""
+    # Where each layer's page starts in a slot, where the reader may verify pages layer
+    # by layer (connector/disk_reads.py): each object then carries a checksum per part.
+    part_offsets: tuple[int, ...] = ()
 
     def key(self, block_hash: bytes) -> str:
         return f"{self.rank_digest}/{block_hash.hex()}"
 
     def header(self, block_hash: bytes, data: memoryview, integrity_key: bytes | None = None) -> ObjectHeader:
         """The header of the object holding `data`, signed when given an integrity key."""
+        whole, parts = checksum(data), ""
+        if self.part_offsets:
+            whole, parts = checksums_by_part(data, self.part_offsets)
         plain = ObjectHeader(
             key=self.key(block_hash),
             namespace_digest=self.rank_digest,
             nbytes=len(data),
-            checksum=checksum(data),
+            checksum=whole,
             layout=self.layout,
             dtype=self.dtype,
             shapes=self.shapes,
+            parts=parts,
         )
         return sign(plain, data, integrity_key)
 

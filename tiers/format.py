@@ -25,12 +25,48 @@ DATA_ALIGN = 4096
 TENSOR_NAME = "kv"
 _LEN = struct.Struct("<Q")
 MAC_FIELD = "mac_hmac_sha256"
+# Optional: the checksum of each layer's page of the block as well, so a reader that
+# reads the pages layer by layer (a disk hit read during the forward) verifies each
+# piece while it is still in cache instead of reading the whole block again.
+PARTS_FIELD = "part_checksums_xxh3_64"
 # Names what a MAC is over, so it cannot be taken for a MAC over anything else.
 _MAC_DOMAIN = "tiercache-object-mac-v1"
 
 
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def checksums_by_part(data: memoryview, offsets: tuple[int, ...]) -> tuple[str, str]:
+    """(the checksum of `data`, the parts field): `data` cut at `offsets` (the first
+    0), each part hashed while it is in cache from the whole checksum's pass."""
+    whole = xxhash.xxh3_64()
+    parts = []
+    for start, end in zip(offsets, [*offsets[1:], len(data)], strict=True):
+        piece = data[start:end]
+        whole.update(piece)
+        parts.append(f"{end - start}:{xxhash.xxh3_64_hexdigest(piece)}")
+    return whole.hexdigest(), ",".join(parts)
+
+
+def parse_parts(header: ObjectHeader) -> list[tuple[int, int, str]] | None:
+    """(start, length, checksum) of each part the header names, covering the pages
+    exactly; None where it names none or the field does not add up (the whole
+    checksum still holds for such an object)."""
+    if not header.parts:
+        return None
+    out = []
+    start = 0
+    try:
+        for item in header.parts.split(","):
+            length, digest = item.split(":")
+            out.append((start, int(length), digest))
+            start += int(length)
+    except ValueError:
+        return None
+    if start != header.nbytes or any(length < 0 for _, length, _ in out):
+        return None
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,6 +79,7 @@ class ObjectHeader:
     dtype: str = ""
     shapes: str = ""
     mac: str = ""  # HMAC-SHA256 over signed_fields() and the pages; "" when unsigned
+    parts: str = ""  # "<bytes>:<xxh3-64>,..." per part, in order; "" when not written
 
     def encode(self) -> bytes:
         """The safetensors preamble (length + JSON), padded so the data is aligned."""
@@ -58,6 +95,8 @@ class ObjectHeader:
         }
         if self.mac:
             meta[MAC_FIELD] = self.mac
+        if self.parts:
+            meta[PARTS_FIELD] = self.parts
         header = {
             "__metadata__": meta,
             TENSOR_NAME: {"dtype": "U8", "shape": [self.nbytes], "data_offsets": [0, self.nbytes]},
@@ -122,6 +161,7 @@ def decode_header(raw: bytes) -> ObjectHeader:
         dtype=_member(meta, "dtype", str, default=""),
         shapes=_member(meta, "shapes", str, default=""),
         mac=_member(meta, MAC_FIELD, str, default=""),
+        parts=_member(meta, PARTS_FIELD, str, default=""),
     )
 
 
