@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harness import BLOCK, EngineRunner, engine_env, machine, median, prompt, request, save, ttft, write_model
+from harness import BLOCK, EngineRunner, engine_env, engine_spec, machine, median, prompt, request, save, ttft
 from hit_pairs import LOADED_BLOCKS, RESET, by_name, hit_problems, tiercache_kv, warm_up
 
 
@@ -42,13 +42,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     asks = {(n, i): prompt(60_000 + 1000 * n + i, n) for n in lengths for i in range(args.prompts)}
     work = Path(args.workdir).resolve()
-    spec = {
-        "model": str(write_model(work / "model")),
-        "max_model_len": max(lengths) + 64,
-        "gpu_memory_utilization": args.kv_fraction,
-        "log_stats": True,
-        "enable_prefix_caching": True,
-    }
+    spec = engine_spec(work, max(lengths) + 64, args.kv_fraction)
     runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
     disk = work / "disk"
     shutil.rmtree(disk, ignore_errors=True)

@@ -64,6 +64,18 @@ def write_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
     return path
 
 
+def engine_spec(work: Path, max_model_len: int, kv_fraction: float) -> dict[str, Any]:
+    """The benchmark model's engine, as the paired-hit benchmarks run it: prefix
+    caching on, vLLM's stats logged, the model written under `work`."""
+    return {
+        "model": str(write_model(work / "model")),
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": kv_fraction,
+        "log_stats": True,
+        "enable_prefix_caching": True,
+    }
+
+
 def prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, VOCAB - 1000) for _ in range(length)]

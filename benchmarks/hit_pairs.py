@@ -45,6 +45,7 @@ from harness import (
     NAMESPACE,
     EngineRunner,
     engine_env,
+    engine_spec,
     logprob_gap,
     machine,
     median,
@@ -53,7 +54,6 @@ from harness import (
     save,
     store_services,
     ttft,
-    write_model,
 )
 
 RESET = {"reset_prefix_cache": True}
@@ -97,13 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in args.lengths.split(",")]
     asks = prompts(lengths, args.repeats)
     work = Path(args.workdir).resolve()
-    spec = {
-        "model": str(write_model(work / "model")),
-        "max_model_len": max(lengths) + 64,
-        "gpu_memory_utilization": args.kv_fraction,
-        "log_stats": True,
-        "enable_prefix_caching": True,
-    }
+    spec = engine_spec(work, max(lengths) + 64, args.kv_fraction)
     runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
     quiet = {"sleep": args.quiet_seconds}
 

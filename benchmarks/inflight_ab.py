@@ -21,6 +21,7 @@ from typing import Any
 from harness import (
     EngineRunner,
     engine_env,
+    engine_spec,
     machine,
     median,
     prompt,
@@ -28,7 +29,6 @@ from harness import (
     save,
     store_services,
     ttft,
-    write_model,
 )
 from hit_pairs import LOADED_BLOCKS, RESET, by_name, hit_problems, tiercache_kv
 
@@ -68,13 +68,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(args.workdir).resolve()
-    spec = {
-        "model": str(write_model(work / "model")),
-        "max_model_len": args.length + 64,
-        "gpu_memory_utilization": args.kv_fraction,
-        "log_stats": True,
-        "enable_prefix_caching": True,
-    }
+    spec = engine_spec(work, args.length + 64, args.kv_fraction)
     runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
     asks = [prompt(50_000 + i, args.length) for i in range(args.prompts)]
     summary: dict[str, Any] = {}
