@@ -64,6 +64,12 @@ def main() -> None:
     parser.add_argument("--reserved-cpus", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/tiercache-bench-inflight")
     parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+    parser.add_argument(
+        "--load-in-forward",
+        default="on",
+        choices=["on", "off"],
+        help="disk.load_in_forward of every engine: on, objects are written with a checksum per layer",
+    )
     parser.add_argument("--name", default="inflight-ab")
     args = parser.parse_args()
 
@@ -79,7 +85,7 @@ def main() -> None:
             shutil.rmtree(disk, ignore_errors=True)
             config = {
                 "cpu": {"capacity": args.cpu_capacity},
-                "disk": {"path": str(disk)},
+                "disk": {"path": str(disk), "load_in_forward": args.load_in_forward == "on"},
                 "redis_url": redis_server.url,
                 "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": f"inflight-{gate}/"},
                 "movers": {
