@@ -16,6 +16,7 @@ from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import OFF_DISK, READ_FAILED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.keys import KVSpec
+from tiercache.tiers.format import parse_parts
 
 NUM_BLOCKS = 16
 # Names whose sorted order (the slot layout) differs from the forward's order.
@@ -234,7 +235,7 @@ def test_with_a_checksum_per_layer_no_second_pass_reads_the_block(tmp_path, monk
 
 
 def test_part_checksums_cover_the_pages_and_a_bad_field_is_not_trusted():
-    from tiercache.tiers.format import ObjectHeader, checksum, checksums_by_part, decode_header, parse_parts
+    from tiercache.tiers.format import ObjectHeader, checksum, checksums_by_part, decode_header
 
     data = memoryview(os.urandom(1000))
     whole, parts = checksums_by_part(data, (0, 64, 640))
@@ -248,3 +249,22 @@ def test_part_checksums_cover_the_pages_and_a_bad_field_is_not_trusted():
     assert decode_header(ObjectHeader("d/k", "d", 1000, whole).encode()[8:]).parts == ""
     for bad in ("64:ab,576:cd", "64:ab,936", "x:ab,1000:cd", "-5:ab,1005:cd"):
         assert parse_parts(dataclasses.replace(header, parts=bad)) is None, bad
+
+
+def test_an_object_with_part_checksums_is_hashed_in_one_pass(monkeypatch):
+    """The whole checksum of an object written with a checksum per part comes from
+    the parts' pass: the write path does not hash the pages a second time."""
+    from tiercache import object_shape
+    from tiercache.object_shape import ObjectShape
+    from tiercache.tiers.format import checksum
+
+    data = memoryview(os.urandom(3000))
+    want = checksum(data)
+
+    def second_pass(_):
+        raise AssertionError("the pages were hashed twice")
+
+    monkeypatch.setattr(object_shape, "checksum", second_pass)
+    header = ObjectShape("m" * 16, "r" * 16, 3000, part_offsets=(0, 1024, 2048)).header(b"b" * 32, data)
+    assert header.checksum == want
+    assert [length for _, length, _ in parse_parts(header)] == [1024, 1024, 952]

@@ -28,9 +28,10 @@ class ObjectShape:
 
     def header(self, block_hash: bytes, data: memoryview, integrity_key: bytes | None = None) -> ObjectHeader:
         """The header of the object holding `data`, signed when given an integrity key."""
-        whole, parts = checksum(data), ""
-        if self.part_offsets:
+        if self.part_offsets:  # the whole checksum comes from the same pass
             whole, parts = checksums_by_part(data, self.part_offsets)
+        else:
+            whole, parts = checksum(data), ""
         plain = ObjectHeader(
             key=self.key(block_hash),
             namespace_digest=self.rank_digest,
