@@ -25,11 +25,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from tiercache.errors import CorruptObject
 from tiercache.tiers.disk import DiskPages, DiskTier
-from tiercache.tiers.format import parse_parts, verify_pieces
+from tiercache.tiers.format import checksum_of, parse_parts, verify_pieces
 
 from .copier import LayerRegion
 
@@ -116,10 +115,7 @@ class DiskReads:
         if length > region.nbytes:  # the slot layout's padding after this page
             views.append(memoryview(bytearray(length - region.nbytes)))
         read.pages.read(region.offset, views)
-        digest = xxhash.xxh3_64()
-        for view in views:
-            digest.update(view)
-        if digest.hexdigest() != expected:
+        if checksum_of(views) != expected:
             raise CorruptObject(f"checksum mismatch in layer {region.name} of {read.pages.key}")
         read.verified[layer] = True
 
@@ -154,17 +150,13 @@ class DiskReads:
         return out
 
     def failed(self) -> set[int]:
-        """The paged-KV blocks that did not load; each object behind one is removed
-        where it was found corrupt."""
+        """The paged-KV blocks that did not load, each told to the disk tier (which
+        removes an object found corrupt). Called once, when the load is over."""
         failed = set()
         for read in self.reads:
-            if read.error is None:
-                continue
-            failed.add(read.gpu_block)
-            if isinstance(read.error, CorruptObject):
-                self._disk.discard(read.pages.key, read.error)
-            else:
-                self._disk.read_failed(read.pages.key, read.error)
+            if read.error is not None:
+                failed.add(read.gpu_block)
+                self._disk.missed(read.pages.key, read.error)
         return failed
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """A hit loaded from CPU slots into the paged KV layer by layer, while the forward runs:
 a CPU-tier hit in the step that computes its request (with its disk blocks, read
 from their objects where `disk.load_in_forward` allows, disk_reads.py), and a disk
-or S3 hit, once staged into slots, from the end of the step that reports it until the next forward
-(the earliest that can read it) has waited for every layer.
+or S3 hit, once staged into slots, from the end of the step that reports it until
+the next forward (the earliest that can read it) has waited for every layer.
 
 Copying a whole hit before the forward starts puts the full copy on the critical path
 (about 20 ms for 124 MiB on a 2-core machine: 13% of a 2000-token hit's time to first
@@ -40,8 +40,8 @@ class LayerwiseLoad:
         helper: ThreadPoolExecutor,
         disk: DiskReads | None = None,
     ):
-        """`disk`: blocks read from their disk objects along with each layer, checked
-        once every layer is in (disk_reads.py)."""
+        """`disk`: blocks read from their disk objects along with each layer, each
+        page checked as it lands or the block once every layer is in (disk_reads.py)."""
         self._copier = copier
         self._buffer = buffer
         self._spans = runs(block_ids, slots)

@@ -23,7 +23,7 @@ from tiercache.index import Deployment, RedisIndex
 from tiercache.keys import KVSpec
 from tiercache.metrics import LOAD_DECISIONS, LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.object_shape import ObjectShape
-from tiercache.policy import BlockPolicy, CpuTierFull
+from tiercache.policy import BlockPolicy, CpuTierFull, reads_disk_in_forward
 from tiercache.presence import PresencePublisher
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers import CPU, DISK, S3
@@ -106,7 +106,7 @@ class TierCacheScheduler:
         self.config = config
         # A hit with no S3 block then loads synchronously, its disk blocks through no
         # CPU slot (connector/disk_reads.py).
-        self.disk_in_forward = kv_in_host_memory and config.disk is not None and config.disk.load_in_forward
+        self.disk_in_forward = reads_disk_in_forward(config, kv_in_host_memory)
         self.specs = specs
         self.block_size = specs[0].block_size
         self.model_digest = specs[0].model_digest()

@@ -17,7 +17,7 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.keys import KVSpec
-from tiercache.policy import promotes_to_disk
+from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
@@ -163,9 +163,7 @@ class TierCacheWorker:
         layout, dtype, shapes = copier.describe()
         # Objects this rank may read layer by layer into the paged KV carry a checksum
         # per layer's page, so each is verified while still in cache (disk_reads.py).
-        reads_by_layer = (
-            not copier.on_cuda and self.config.disk is not None and self.config.disk.load_in_forward
-        )
+        reads_by_layer = reads_disk_in_forward(self.config, kv_in_host_memory=not copier.on_cuda)
         offsets = tuple(region.offset for region in copier.regions) if reads_by_layer else ()
         shape = ObjectShape(
             self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes, offsets

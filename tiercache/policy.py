@@ -17,12 +17,15 @@ and the instance's presence in Redis (connector/events.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator
 
-__all__ = ["BlockPolicy", "CpuTierFull", "TierWatcher", "promotes_to_disk"]
+if TYPE_CHECKING:
+    from tiercache.config import TierCacheConfig
+
+__all__ = ["BlockPolicy", "CpuTierFull", "TierWatcher", "promotes_to_disk", "reads_disk_in_forward"]
 
 
 def promotes_to_disk(tier: str, has_disk: bool, *, write_back: bool) -> bool:
@@ -31,6 +34,14 @@ def promotes_to_disk(tier: str, has_disk: bool, *, write_back: bool) -> bool:
     connector's worker, which makes the copy, has no BlockPolicy of its own: this rule
     is shared by name."""
     return tier == S3 and has_disk and not write_back
+
+
+def reads_disk_in_forward(config: TierCacheConfig, kv_in_host_memory: bool) -> bool:
+    """Whether disk hits are read straight into the paged KV during the forward
+    (connector/disk_reads.py): only where the paged KV is in host memory (vLLM's CPU
+    backend) and `disk.load_in_forward` allows. The scheduler plans such loads and the
+    worker writes objects for them (with a checksum per layer): one rule for both."""
+    return kv_in_host_memory and config.disk is not None and config.disk.load_in_forward
 
 
 class TierWatcher(Protocol):

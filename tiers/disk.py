@@ -373,14 +373,8 @@ class DiskTier:
                     self._read_verified(fd, key, out, expect)
                 finally:
                     os.close(fd)
-        except FileNotFoundError:
-            self._forget(key)
-            return False
-        except CorruptObject as error:
-            self.discard(key, error)
-            return False
-        except OSError as error:
-            self.read_failed(key, error)
+        except (CorruptObject, OSError) as error:
+            self.missed(key, error)
             return False
         self._used(key)
         return True
@@ -393,40 +387,49 @@ class DiskTier:
         path = self.layout.path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
-            return None
-        except OSError as error:
-            self.read_failed(key, error)
-            return None
-        try:
-            head = os.pread(fd, DATA_ALIGN, 0)
-            offset = 8 + header_length(head[:8])
-            raw = head[8:offset] if offset <= len(head) else os.pread(fd, offset - 8, 8)
-            header = decode_header(raw)
-            check_header(header, key, nbytes)
-            if expect is not None:
-                expect.check(header)
-        except CorruptObject as error:
-            os.close(fd)
-            self.discard(key, error)
-            return None
-        except OSError as error:
-            os.close(fd)
-            self.read_failed(key, error)
+            try:
+                head = os.pread(fd, DATA_ALIGN, 0)
+                header, offset = self._checked_header(fd, head, key, nbytes, expect)
+            except BaseException:
+                os.close(fd)
+                raise
+        except (CorruptObject, OSError) as error:
+            self.missed(key, error)
             return None
         self._used(key)
         return DiskPages(key, fd, header, offset)
 
-    def discard(self, key: str, error: CorruptObject) -> None:
-        """An object read back wrong: counted, logged and removed, so it is a miss from now on."""
-        TIER_ERRORS.labels(TIER, "corrupt").inc()
-        log.warning("disk tier: corrupt object %s removed: %s", key, error)
-        self.delete(key)
+    def missed(self, key: str, error: CorruptObject | OSError) -> None:
+        """A read of `key` that cannot be served, whatever the reader: a file gone
+        is forgotten; a corrupt one is counted, logged and removed, so it is a miss
+        from now on; an I/O error is counted and logged (the file may serve later)."""
+        if isinstance(error, FileNotFoundError):
+            self._forget(key)
+        elif isinstance(error, CorruptObject):
+            TIER_ERRORS.labels(TIER, "corrupt").inc()
+            log.warning("disk tier: corrupt object %s removed: %s", key, error)
+            self.delete(key)
+        else:
+            TIER_ERRORS.labels(TIER, "io").inc()
+            log.warning("disk tier: read of %s failed: %s", key, error)
 
-    def read_failed(self, key: str, error: OSError) -> None:
-        TIER_ERRORS.labels(TIER, "io").inc()
-        log.warning("disk tier: read of %s failed: %s", key, error)
+    @staticmethod
+    def _checked_header(
+        fd: int, head: bytes | bytearray, key: str, nbytes: int, expect: PageShape | None
+    ) -> tuple[ObjectHeader, int]:
+        """The object's header, checked against what the reader asked for, and where
+        its pages start. `head`: the file's first bytes as read (up to DATA_ALIGN);
+        a longer header is read from the file."""
+        length = header_length(bytes(head[:8]))
+        offset = 8 + length
+        if offset <= min(len(head), DATA_ALIGN):
+            header = decode_header(bytes(head[8:offset]))
+        else:
+            header = decode_header(os.pread(fd, length, 8))
+        check_header(header, key, nbytes)
+        if expect is not None:
+            expect.check(header)
+        return header, offset
 
     def _used(self, key: str) -> None:
         with self._lock:
@@ -444,15 +447,7 @@ class DiskTier:
         is the MAC's."""
         head = bytearray(DATA_ALIGN)
         got = os.preadv(fd, [head, out], 0)
-        length = header_length(bytes(head[: min(got, 8)]))
-        offset = 8 + length
-        if offset <= min(got, DATA_ALIGN):
-            header = decode_header(bytes(head[8:offset]))
-        else:
-            header = decode_header(os.pread(fd, length, 8))
-        check_header(header, key, len(out))
-        if expect is not None:
-            expect.check(header)
+        header, offset = self._checked_header(fd, head[: min(got, DATA_ALIGN)], key, len(out), expect)
         # The first read already holds the start of the pages only in this tier's layout.
         done = max(got - DATA_ALIGN, 0) if offset == DATA_ALIGN else 0
         DiskTier._read_into(fd, out, offset, done)

@@ -37,6 +37,14 @@ def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_of(pieces: Iterable[memoryview | bytes]) -> str:
+    """`checksum` of the pieces' bytes, in order, as one."""
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
 def checksums_by_part(data: memoryview, offsets: tuple[int, ...]) -> tuple[str, str]:
     """(the checksum of `data`, the parts field): `data` cut at `offsets` (the first
     0), each part hashed while it is in cache from the whole checksum's pass."""
@@ -241,13 +249,13 @@ def verify_pieces(
 ) -> None:
     """`verify` for pages that lie in pieces, given in order (a block read into the
     paged KV, where each layer's page is a block of its own tensor)."""
-    digest = xxhash.xxh3_64() if integrity_key is None else object_mac(integrity_key, header)
-    for piece in pieces:
-        digest.update(piece)
     if integrity_key is None:
-        check_digest(header, digest.hexdigest())
-    else:
-        check_mac(header, digest.hexdigest())
+        check_digest(header, checksum_of(pieces))
+        return
+    mac = object_mac(integrity_key, header)
+    for piece in pieces:
+        mac.update(piece)
+    check_mac(header, mac.hexdigest())
 
 
 def check_mac(header: ObjectHeader, actual: str) -> None:
