@@ -167,6 +167,11 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta if isinstance(meta, TierCacheMetadata) else None
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM's first call with each step's metadata, before it prepares the inputs.
+        if self.worker is not None and isinstance(kv_connector_metadata, TierCacheMetadata):
+            self.worker.step_arrives(kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM binds each step's metadata right before the step's forward.
         super().bind_connector_metadata(connector_metadata)

@@ -27,7 +27,18 @@ _COUNTERS = {
     "vllm:tiercache_loaded_bytes": ("loaded_bytes_", "Bytes loaded from a tiercache tier"),
     "vllm:tiercache_failed_blocks": ("failed_blocks_", "Blocks a tiercache load could not serve"),
 }
-_STORED = ("vllm:tiercache_stored_blocks", "stored_blocks", "Blocks copied into the tiercache CPU tier")
+# counter name in vLLM's /metrics -> (stats key, help), without labels of their own
+_PLAIN_COUNTERS = {
+    "vllm:tiercache_stored_blocks": ("stored_blocks", "Blocks copied into the tiercache CPU tier"),
+    "vllm:tiercache_write_holds": (
+        "write_holds",
+        "Steps loading tiercache hits that held the write-down to disk and S3 back (movers.yield_to_loads)",
+    ),
+    "vllm:tiercache_write_holds_refused": (
+        "write_holds_refused",
+        "Steps loading tiercache hits that did not hold the write-down back: holds had taken their share",
+    ),
+}
 # The scheduler's cost-model decisions (cost_model.py), one per request and tier.
 DECISIONS = ("load", "skip")
 _DECISIONS = (
@@ -139,9 +150,11 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
                 for engine, values in per_engine_labelvalues.items()
                 for tier in TIERS
             }
-        name, _, help_text = _STORED
-        stored = self._counter_cls(name=name, documentation=help_text, labelnames=labelnames)
-        self._stored = {engine: stored.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        self._plain: dict[tuple[int, str], Any] = {}
+        for name, (key, help_text) in _PLAIN_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=help_text, labelnames=labelnames)
+            for engine, values in per_engine_labelvalues.items():
+                self._plain[(engine, key)] = counter.labels(*values)
         name, help_text = _DECISIONS
         decisions = self._counter_cls(
             name=name, documentation=help_text, labelnames=[*labelnames, "tier", "decision"]
@@ -180,9 +193,10 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
                 amount = transfer_stats_data.get(prefix + tier, 0)
                 if amount:
                     self._per_tier[name][(engine_idx, tier)].inc(amount)
-        stored = transfer_stats_data.get(_STORED[1], 0)
-        if stored:
-            self._stored[engine_idx].inc(stored)
+        for key, _ in _PLAIN_COUNTERS.values():
+            amount = transfer_stats_data.get(key, 0)
+            if amount:
+                self._plain[(engine_idx, key)].inc(amount)
         for tier in TIERS:
             for decision in DECISIONS:
                 count = transfer_stats_data.get(decision_key(tier, decision), 0)

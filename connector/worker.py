@@ -16,6 +16,7 @@ import torch
 
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
+from tiercache.foreground import OUTPUT_GRACE
 from tiercache.keys import KVSpec
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread
@@ -111,6 +112,7 @@ class TierCacheWorker:
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
+        self._holds_reported = (0, 0)  # the gate's holds and refused holds already in stats
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
         self._layer_order: list[str] | None = None
@@ -219,17 +221,32 @@ class TierCacheWorker:
             data = bytes(self.buffer.view(slot))
             self.engine.write_down(block_hash, None, self._after_write, data=data)
 
+    def step_arrives(self, meta: TierCacheMetadata) -> None:
+        """vLLM handed the worker this step, before preparing its inputs. A step that
+        loads hits holds the movers from here; any other step ends the hold a step
+        before it left lingering (that step's token has been handed on by now)."""
+        if self.engine is None:
+            return
+        if self._holds_for(meta):
+            self.engine.foreground.hold()
+        else:
+            self.engine.foreground.release()
+
     def forward_begins(self, meta: TierCacheMetadata) -> None:
         """vLLM bound this step's metadata: its forward starts now."""
         if self._forward_timer is not None:
             self._forward_timer.begin(meta.timed_tokens)
-        # This forward copies hits into the paged KV (this step's CPU hits, or staged
-        # hits reported at the end of the last step): on the CPU backend the movers'
-        # writes wait for its end, off the memory bus it is bound by (foreground.py).
-        loads_hits = self._layerwise or any(not job.is_async for job in meta.loads)
+        if self.engine is not None and self._holds_for(meta):
+            self.engine.foreground.hold()  # where vLLM did not hand the step over first
+
+    def _holds_for(self, meta: TierCacheMetadata) -> bool:
+        """Whether this step's forward copies hits into the paged KV (this step's CPU
+        hits, or staged hits reported at the end of the last step) on the CPU backend:
+        then the movers' writes wait, off the memory bus it is bound by and off the
+        spare core its token goes through (foreground.py)."""
+        loads_hits = bool(self._layerwise) or any(not job.is_async for job in meta.loads)
         on_cpu_backend = self.copier is not None and not self.copier.on_cuda
-        if loads_hits and on_cpu_backend and self.engine is not None and self.config.movers.yield_to_loads:
-            self.engine.foreground.hold()
+        return loads_hits and on_cpu_backend and self.config.movers.yield_to_loads
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
@@ -358,7 +375,8 @@ class TierCacheWorker:
 
     def _end_of_forward(self) -> None:
         if self.engine is not None:
-            self.engine.foreground.release()
+            # Until the next step begins, or the token is surely handed on.
+            self.engine.foreground.release_after(OUTPUT_GRACE)
         steps, self._layerwise = self._layerwise, []
         for step in steps:
             self._end_load(step)
@@ -562,7 +580,9 @@ class TierCacheWorker:
         """Loads done since the last call. `finished_req_ids`: requests vLLM finished,
         whose partial S3 runs go now rather than when their flush timer says."""
         if self.engine is not None:
-            self.engine.foreground.release()  # every step ends here, with a forward or not
+            # Every step ends here, with a forward or not: no hold outlives it by more
+            # than the grace its token needs.
+            self.engine.foreground.release_after(OUTPUT_GRACE)
             for req_id in finished_req_ids:
                 self.engine.end_group(req_id)
         if self._idle_step:
@@ -592,6 +612,10 @@ class TierCacheWorker:
     def take_stats(self) -> TierCacheStats | None:
         if self.engine is not None:
             self._gauges.add_to(self._stats, {"stores_in_flight": self.engine.writes_in_flight})
+            gate = self.engine.foreground
+            self._stats.add("write_holds", gate.holds - self._holds_reported[0])
+            self._stats.add("write_holds_refused", gate.skipped - self._holds_reported[1])
+            self._holds_reported = (gate.holds, gate.skipped)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, TierCacheStats()

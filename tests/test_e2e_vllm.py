@@ -79,12 +79,16 @@ def full_config(stack, disk: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def first_engine(model, workdir, stack, reference):
-    """Cold, then a CPU hit, a partial hit and a short prompt, all three tiers on."""
+    """Cold, then a CPU hit, a partial hit and a short prompt, all three tiers on. The
+    hit comes while its prompt is still being written down, with the write-down gate
+    on: the hit's step holds those writes back (foreground.py)."""
     out = engine(
         model,
         workdir,
-        full_config(stack, workdir / "disk-a"),
+        {**full_config(stack, workdir / "disk-a"), "movers": {"yield_to_loads": True}},
         prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT)),
+        log_stats=True,
+        counters="vllm:tiercache_write_holds",
     )
     return out["results"]
 
@@ -95,6 +99,8 @@ def test_cold_then_cpu_hit_matches_reference(first_engine, reference):
     assert hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(cold, reference["p1"])
     assert_same_output(hit, reference["p1"])
+    # Only a step that loads hits holds the write-down back: the cold run's none.
+    assert sum(cold["counters"].values()) == 0 and sum(hit["counters"].values()) >= 1
 
 
 def test_shared_prefix_gets_partial_hit(first_engine, reference):
@@ -149,6 +155,8 @@ def test_redis_and_s3_unreachable_still_right_with_local_hits(model, workdir, re
     assert hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(cold, reference["p1"])
     assert_same_output(hit, reference["p1"])
+    # Only a step that loads hits holds the write-down back: the cold run's none.
+    assert sum(cold["counters"].values()) == 0 and sum(hit["counters"].values()) >= 1
 
 
 def test_embedded_default_config(model, workdir, reference):

@@ -15,9 +15,10 @@ import torch
 from tiercache.config import build_config
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
+from tiercache.connector.stats import TierCacheStats
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.engine import DISK, ObjectShape, TierEngine
-from tiercache.foreground import ForegroundGate
+from tiercache.foreground import OUTPUT_GRACE, ForegroundGate
 from tiercache.keys import KVSpec
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import CpuBuffer
@@ -75,6 +76,41 @@ def test_a_hold_counts_at_most_max_hold_against_the_share():
     assert gate.hold()  # 0.5 s counted, decayed: room for more
 
 
+def test_a_lingering_hold_ends_by_itself_and_counts_only_until_then():
+    clock = FakeClock()
+    gate = ForegroundGate(max_hold=0.5, max_share=0.5, window=2.0, clock=clock, shared=True)
+    try:
+        assert gate.hold()
+        clock.now += 0.1
+        gate.release_after(0.02)
+        assert gate.held and gate.flag.ends_at == clock.now + 0.02  # the upload process stops then too
+        clock.now += 0.03
+        assert not gate.held
+        gate.wait()  # past its end: nobody waits
+        clock.now += 10.0  # long after: only the 0.12 s held count, and they have faded
+        assert gate.hold() and gate._held_seconds == 0.0
+    finally:
+        gate.close()
+
+
+def test_a_step_with_hits_during_the_linger_keeps_the_hold_until_released():
+    clock = FakeClock()
+    gate = ForegroundGate(max_hold=0.5, clock=clock, shared=True)
+    try:
+        assert gate.hold()
+        gate.release_after(0.02)
+        clock.now += 0.01
+        assert gate.hold()  # the next step loads hits too
+        clock.now += 0.05
+        assert gate.held and gate.flag.ends_at == 100.5  # bound by max_hold again, no longer the grace
+        gate.release_after(1.0)  # a grace never stretches a hold past its max_hold
+        assert gate.flag.ends_at == 100.5
+        gate.release()
+        assert not gate.held and gate.flag.ends_at == 0.0
+    finally:
+        gate.close()
+
+
 def test_the_engine_writes_nothing_down_while_the_gate_is_held(tmp_path):
     slot = 4096
     config = build_config({"cpu": {"capacity": 2 * slot}, "disk": {"path": str(tmp_path / "disk")}})
@@ -110,24 +146,52 @@ def cpu_backend_worker(tmp_path, yield_to_loads: bool = True) -> TierCacheWorker
     return worker
 
 
-def test_the_worker_holds_the_gate_for_a_forward_that_loads_a_hit_and_only_then(tmp_path):
+def test_the_worker_holds_the_gate_for_a_step_that_loads_a_hit_and_only_then(tmp_path):
     worker = cpu_backend_worker(tmp_path)
     gate = worker.engine.foreground
+    gate.max_hold = 30.0
     try:
         store = TierCacheMetadata(stores=[BlockOp(b"h" * 32, 1, 0, CPU)])
+        worker.step_arrives(store)
         worker.forward_begins(store)
-        assert not gate.held  # a forward that only stores
+        assert not gate.held  # a step that only stores
         worker.start_load_kv(store)
         worker.wait_for_save(store)
         worker.get_finished()
 
         hit = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(b"h" * 32, 5, 0, CPU)], False)])
+        worker.step_arrives(hit)
+        assert gate.held  # from before vLLM prepares the step's inputs
         worker.forward_begins(hit)
-        assert gate.held
         worker.start_load_kv(hit)
         worker.wait_for_save(hit)
-        assert not gate.held
         worker.get_finished()
+        assert gate.held  # while the step's token is sampled and handed on
+        worker.step_arrives(TierCacheMetadata())  # the next step: the token is out
+        assert not gate.held
+        # One hold over the step's two hooks, reported once (vllm:tiercache_write_holds).
+        assert worker.take_stats().data["write_holds"] == 1
+        assert "write_holds" not in (worker.take_stats() or TierCacheStats()).data
+    finally:
+        worker.shutdown()
+
+
+def test_a_hold_ends_by_itself_the_output_grace_after_the_forward(tmp_path):
+    """The step that loaded a hit was the last: no next step comes to end the hold."""
+    worker = cpu_backend_worker(tmp_path)
+    gate = worker.engine.foreground
+    gate.max_hold = 30.0
+    try:
+        hit = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(b"h" * 32, 5, 0, CPU)], False)])
+        worker.step_arrives(hit)
+        worker.forward_begins(hit)
+        worker.start_load_kv(hit)
+        worker.wait_for_save(hit)
+        worker.get_finished()
+        began = time.monotonic()
+        gate.wait()
+        assert OUTPUT_GRACE * 0.5 < time.monotonic() - began < 5.0
+        assert not gate.held
     finally:
         worker.shutdown()
 
