@@ -1,0 +1,145 @@
+"""A step trace of single requests in vLLM with tiercache: where a hit's milliseconds
+go, phase by phase, and whether each phase worked, waited for a core or was blocked.
+
+    python benchmarks/step_trace.py run /tmp/trace -- python benchmarks/inflight_ab.py --order on --prompts 8
+    python benchmarks/step_trace.py report /tmp/trace --skip 3 --cycle cold,inflight,pc,cpu
+
+`run` starts the command with benchmarks/step_trace/ first on PYTHONPATH, so that every
+Python process it starts (the benchmark, vLLM's engine core, its worker) installs the
+tracer (step_trace/tiercache_step_trace.py) and appends marks to <dir>/<pid>.jsonl.
+The marks cost a few microseconds each; a traced run is not a timing run.
+
+`report` takes the requests in the order the engine core received them, drops
+`--skip` warm-ups, names the rest by `--cycle` (inflight_ab.py sends cold, in-flight
+hit, prefix-cache hit, quiet CPU hit per prompt) and prints, per name, the median of
+each phase of the request's first step:
+
+  scheduled   the engine core received the request -> its scheduler planned the step
+  handed      the plan done -> the worker starts the step
+  inputs      the worker prepares the step (vLLM's input preparation, the connector's
+              step and load hooks) up to the model's forward
+  forward     the model's forward, with the hit copied in beside it
+  token out   the forward's end -> the engine core takes the step's output
+  total       received -> output taken
+
+and for `inputs` and `forward`, the worker thread's time running, waiting for a core
+and blocked (neither: the interpreter lock, most often)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PHASES = ("scheduled", "handed", "inputs", "forward", "token_out", "total")
+SPLIT = ("ran", "waited", "blocked")
+
+
+def run(folder: str, command: list[str]) -> int:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "step_trace"), env.get("PYTHONPATH")]))
+    env["TIERCACHE_STEP_TRACE"] = str(Path(folder).resolve())
+    return subprocess.call(command, env=env)
+
+
+def load(folder: str) -> list[dict[str, Any]]:
+    marks = []
+    for path in glob.glob(os.path.join(folder, "*.jsonl")):
+        pid = Path(path).stem
+        with open(path) as lines:
+            text = lines.read().splitlines()
+        for line in text:
+            try:
+                mark = json.loads(line)
+            except json.JSONDecodeError:  # a process killed mid-line
+                continue
+            mark["pid"] = pid
+            marks.append(mark)
+    return sorted(marks, key=lambda m: m["t"])
+
+
+class Timeline:
+    def __init__(self, marks: list[dict[str, Any]]):
+        self.marks = marks
+
+    def next(self, name: str, after: float) -> dict[str, Any]:
+        for mark in self.marks:
+            if mark["t"] >= after and mark["n"] == name:
+                return mark
+        raise LookupError(f"no {name} after {after}")
+
+    def first_step(self, received: dict[str, Any]) -> dict[str, float]:
+        """The phases of the first step that ran a request received at `received`."""
+        planned = self.next("Scheduler.schedule<", self.next("Scheduler.schedule>", received["t"])["t"])
+        # The worker may take the step a hair before the engine core's mark is written.
+        starts = self.next("GPUModelRunner.execute_model>", planned["t"] - 0.0005)
+        forward = self.next("GPUModelRunner._model_forward>", starts["t"])
+        forward_end = self.next("GPUModelRunner._model_forward<", forward["t"])
+        taken = self.next("Scheduler.update_from_output>", forward_end["t"])
+        row = {
+            "scheduled": planned["t"] - received["t"],
+            "handed": starts["t"] - planned["t"],
+            "inputs": forward["t"] - starts["t"],
+            "forward": forward_end["t"] - forward["t"],
+            "token_out": taken["t"] - forward_end["t"],
+            "total": taken["t"] - received["t"],
+        }
+        for phase, (a, b) in (("inputs", (starts, forward)), ("forward", (forward, forward_end))):
+            ran, waited = b["ran"] - a["ran"], b["waited"] - a["waited"]
+            row[f"{phase}_ran"], row[f"{phase}_waited"] = ran, waited
+            row[f"{phase}_blocked"] = max(0.0, b["t"] - a["t"] - ran - waited)
+        return row
+
+
+def report(folder: str, skip: int, cycle: list[str], each: bool) -> dict[str, dict[str, float]]:
+    timeline = Timeline(load(folder))
+    received = [m for m in timeline.marks if m["n"] == "EngineCore.preprocess_add_request>"][skip:]
+    rows: dict[str, list[dict[str, float]]] = {}
+    for i, mark in enumerate(received):
+        name = cycle[i % len(cycle)]
+        row = timeline.first_step(mark)
+        rows.setdefault(name, []).append(row)
+        if each:
+            print(f"{name}/{i // len(cycle)} " + " ".join(f"{k}={1000 * v:.1f}" for k, v in row.items()))
+    columns = [*PHASES, *(f"{p}_{s}" for p in ("inputs", "forward") for s in SPLIT)]
+    medians = {
+        name: {c: 1000 * statistics.median(r[c] for r in got) for c in columns} for name, got in rows.items()
+    }
+    print("| request (median ms) | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for name, values in medians.items():
+        print(f"| {name} ({len(rows[name])}) | " + " | ".join(f"{values[c]:.1f}" for c in columns) + " |")
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="action", required=True)
+    run_args = sub.add_parser("run", help="run a command with the tracer in every Python process")
+    run_args.add_argument("folder")
+    run_args.add_argument("command", nargs=argparse.REMAINDER)
+    report_args = sub.add_parser("report", help="phases of each request's first step")
+    report_args.add_argument("folder")
+    report_args.add_argument("--skip", type=int, default=3, help="warm-up requests first")
+    report_args.add_argument(
+        "--cycle", default="cold,inflight,pc,cpu", help="names of the requests, repeating"
+    )
+    report_args.add_argument("--each", action="store_true", help="also print every request")
+    args = parser.parse_args()
+    if args.action == "run":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        sys.exit(run(args.folder, command))
+    report(args.folder, args.skip, args.cycle.split(","), args.each)
+
+
+if __name__ == "__main__":
+    main()

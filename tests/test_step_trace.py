@@ -1,0 +1,71 @@
+"""benchmarks/step_trace.py: the tracer installs in a child process against this vLLM
+(every method it wraps exists), and the report's phases add up from the marks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "benchmarks" / "step_trace.py"
+
+
+def test_run_installs_the_tracer_in_every_python_process_it_starts(tmp_path):
+    child = (
+        "import tiercache.connector.worker as w; "
+        "print(w.TierCacheWorker.step_arrives.__wrapped__.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, str(TOOL), "run", str(tmp_path / "trace"), "--", sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "step_arrives"  # wrapped, so traced
+
+
+def mark(t: float, name: str, ran: float = 0.0, waited: float = 0.0, pid: int = 1) -> tuple[int, dict]:
+    return pid, {"t": t, "n": name, "th": "MainThread", "cpu": ran, "ran": ran, "waited": waited}
+
+
+def test_report_splits_the_first_step_into_phases(tmp_path):
+    marks = [
+        mark(10.000, "EngineCore.preprocess_add_request>", pid=1),
+        mark(10.001, "Scheduler.schedule>", pid=1),
+        mark(10.003, "Scheduler.schedule<", pid=1),
+        mark(10.004, "GPUModelRunner.execute_model>", ran=1.000, waited=0.500, pid=2),
+        # inputs: 10 ms, of which 2 ran and 3 waited for a core: 5 blocked
+        mark(10.014, "GPUModelRunner._model_forward>", ran=1.002, waited=0.503, pid=2),
+        mark(10.114, "GPUModelRunner._model_forward<", ran=1.100, waited=0.504, pid=2),
+        mark(10.127, "Scheduler.update_from_output>", pid=1),
+    ]
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    for pid in (1, 2):
+        lines = [json.dumps(m) for p, m in marks if p == pid]
+        (folder / f"{pid}.jsonl").write_text("\n".join(lines) + "\n")
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        from step_trace import report
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    medians = report(str(folder), skip=0, cycle=["hit"], each=False)["hit"]
+    expected = {
+        "scheduled": 3.0,
+        "handed": 1.0,
+        "inputs": 10.0,
+        "inputs_ran": 2.0,
+        "inputs_waited": 3.0,
+        "inputs_blocked": 5.0,
+        "forward": 100.0,
+        "forward_ran": 98.0,
+        "forward_blocked": 1.0,
+        "token_out": 13.0,
+        "total": 127.0,
+    }
+    for phase, ms in expected.items():
+        assert abs(medians[phase] - ms) < 1e-6, phase
