@@ -20,7 +20,8 @@ while the step samples its token and hands it through the engine core to the fro
 end. Those processes share the spare core with the movers and the upload process: a
 2000-token hit asked while its prompt was being written down spent about 2.5 ms more
 preparing its inputs and 4-5 ms more handing its token on than a quiet one, with the
-hold covering the forward only.
+hold covering the forward only. Steps that load hits one after another share one
+hold, so its `max_hold` bounds how long the whole run of them keeps writes back.
 
 Stores must not starve under a steady stream of hits, so a hold keeps writes back for
 at most `max_hold` seconds, however many pieces they wait at, and no hold starts while
