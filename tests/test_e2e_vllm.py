@@ -155,8 +155,6 @@ def test_redis_and_s3_unreachable_still_right_with_local_hits(model, workdir, re
     assert hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(cold, reference["p1"])
     assert_same_output(hit, reference["p1"])
-    # Only a step that loads hits holds the write-down back: the cold run's none.
-    assert sum(cold["counters"].values()) == 0 and sum(hit["counters"].values()) >= 1
 
 
 def test_embedded_default_config(model, workdir, reference):
