@@ -45,7 +45,8 @@ SPLIT = ("ran", "waited", "blocked")
 def run(folder: str, command: list[str]) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "step_trace"), env.get("PYTHONPATH")]))
-    env["TIERCACHE_STEP_TRACE"] = str(Path(folder).resolve())
+    # Not TIERCACHE_*: that prefix is tiercache's config, which refuses unknown keys.
+    env["STEP_TRACE_DIR"] = str(Path(folder).resolve())
     return subprocess.call(command, env=env)
 
 

@@ -13,9 +13,11 @@ TOOL = ROOT / "benchmarks" / "step_trace.py"
 
 
 def test_run_installs_the_tracer_in_every_python_process_it_starts(tmp_path):
+    # build_config reads TIERCACHE_* overrides and refuses unknown keys: the tracer's own
+    # setting must not look like one (it did, and every traced tiercache engine failed).
     child = (
-        "import tiercache.connector.worker as w; "
-        "print(w.TierCacheWorker.step_arrives.__wrapped__.__name__)"
+        "import tiercache.connector.worker as w; from tiercache.config import build_config; "
+        "build_config({}); print(w.TierCacheWorker.step_arrives.__wrapped__.__name__)"
     )
     out = subprocess.run(
         [sys.executable, str(TOOL), "run", str(tmp_path / "trace"), "--", sys.executable, "-c", child],

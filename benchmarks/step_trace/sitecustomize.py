@@ -3,7 +3,7 @@ folder is put first on PYTHONPATH): installs the step tracer where it is asked f
 
 import os
 
-if os.environ.get("TIERCACHE_STEP_TRACE"):
+if os.environ.get("STEP_TRACE_DIR"):
     from tiercache_step_trace import install
 
-    install(os.environ["TIERCACHE_STEP_TRACE"])
+    install(os.environ["STEP_TRACE_DIR"])
