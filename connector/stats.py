@@ -32,7 +32,8 @@ _PLAIN_COUNTERS = {
     "vllm:tiercache_stored_blocks": ("stored_blocks", "Blocks copied into the tiercache CPU tier"),
     "vllm:tiercache_write_holds": (
         "write_holds",
-        "Steps loading tiercache hits that held the write-down to disk and S3 back (movers.yield_to_loads)",
+        "Holds of the write-down to disk and S3 for steps loading tiercache hits (movers.yield_to_loads; "
+        "steps back to back share one)",
     ),
     "vllm:tiercache_write_holds_refused": (
         "write_holds_refused",

@@ -113,6 +113,7 @@ class TierCacheWorker:
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
         self._holds_reported = (0, 0)  # the gate's holds and refused holds already in stats
+        self._arrived: TierCacheMetadata | None = None  # the step step_arrives saw last
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
         self._layer_order: list[str] | None = None
@@ -225,6 +226,7 @@ class TierCacheWorker:
         """vLLM handed the worker this step, before preparing its inputs. A step that
         loads hits holds the movers from here; any other step ends the hold a step
         before it left lingering (that step's token has been handed on by now)."""
+        self._arrived = meta
         if self.engine is None:
             return
         if self._holds_for(meta):
@@ -236,8 +238,10 @@ class TierCacheWorker:
         """vLLM bound this step's metadata: its forward starts now."""
         if self._forward_timer is not None:
             self._forward_timer.begin(meta.timed_tokens)
-        if self.engine is not None and self._holds_for(meta):
-            self.engine.foreground.hold()  # where vLLM did not hand the step over first
+        # vLLM hands every step over first, and step_arrives decided on the hold then;
+        # a caller that only binds (the replay of recorded calls) decides here.
+        if meta is not self._arrived and self.engine is not None and self._holds_for(meta):
+            self.engine.foreground.hold()
 
     def _holds_for(self, meta: TierCacheMetadata) -> bool:
         """Whether this step's forward copies hits into the paged KV (this step's CPU

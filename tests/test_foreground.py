@@ -196,6 +196,26 @@ def test_a_hold_ends_by_itself_the_output_grace_after_the_forward(tmp_path):
         worker.shutdown()
 
 
+def test_a_step_that_finds_the_share_spent_is_counted_refused_once(tmp_path):
+    """vLLM hands the step over (step_arrives) and then binds it (forward_begins): one
+    step, one decision, one count in vllm:tiercache_write_holds_refused."""
+    worker = cpu_backend_worker(tmp_path)
+    gate = worker.engine.foreground
+    gate.max_share = 0.0  # every hold refused
+    try:
+        hit = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(b"h" * 32, 5, 0, CPU)], False)])
+        worker.step_arrives(hit)
+        worker.forward_begins(hit)
+        assert not gate.held
+        worker.start_load_kv(hit)
+        worker.wait_for_save(hit)
+        worker.get_finished()
+        data = worker.take_stats().data
+        assert data["write_holds_refused"] == 1 and "write_holds" not in data
+    finally:
+        worker.shutdown()
+
+
 def test_by_default_the_worker_never_holds_the_gate(tmp_path):
     worker = cpu_backend_worker(tmp_path, yield_to_loads=False)
     try:

@@ -280,7 +280,8 @@ class Replay:
                     assert worker.engine is not None and worker.engine.flush(60), "write-downs did not finish"
                 elif name == "shutdown":
                     worker.shutdown()
-                # handle_preemptions: the connector keeps vLLM's default (nothing to do).
+                # handle_preemptions: recorded without its metadata, so the replay does not
+                # call step_arrives; forward_begins at "bind" decides on the write-down hold.
         finally:
             if self.result.calls["shutdown"] == 0:
                 worker.shutdown()
