@@ -196,7 +196,7 @@ class ForegroundGate:
     @property
     def held(self) -> bool:
         ends = self._ends_at()
-        return ends is not None and self.clock() < ends and not self._open.is_set()
+        return ends is not None and self.clock() < ends
 
     def close(self) -> None:
         """Frees the shared page; holds after this are kept in this process only."""
