@@ -28,6 +28,7 @@ and blocked (neither: the interpreter lock, most often)."""
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import json
 import os
@@ -68,12 +69,13 @@ def load(folder: str) -> list[dict[str, Any]]:
 
 class Timeline:
     def __init__(self, marks: list[dict[str, Any]]):
-        self.marks = marks
+        self.marks = marks  # in time order
+        self._times = [mark["t"] for mark in marks]
 
     def next(self, name: str, after: float) -> dict[str, Any]:
-        for mark in self.marks:
-            if mark["t"] >= after and mark["n"] == name:
-                return mark
+        for i in range(bisect.bisect_left(self._times, after), len(self.marks)):
+            if self.marks[i]["n"] == name:
+                return self.marks[i]
         raise LookupError(f"no {name} after {after}")
 
     def first_step(self, received: dict[str, Any]) -> dict[str, float]:
