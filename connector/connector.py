@@ -24,7 +24,7 @@ from tiercache.tiers import CPU, DISK, S3
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
-from .stats import GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
+from .stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
 from .worker import TierCacheWorker
 
 if TYPE_CHECKING:
@@ -218,6 +218,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             self._gauges.add_to(stats, self.scheduler.gauges())
             for (tier, decision), count in self.scheduler.take_decisions().items():
                 stats.add(decision_key(tier, decision), count)
+            stats.add(STORES_DROPPED, self.scheduler.take_dropped_stores())
             return None if stats.is_empty() else stats
         if self.worker is None:
             return None

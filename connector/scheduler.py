@@ -155,6 +155,7 @@ class TierCacheScheduler:
         self.stats: Counter = Counter()
         self.cost = LoadCostModel(time.monotonic) if config.movers.cost_model == "on" else None
         self._decisions: Counter = Counter()  # (tier, decision) -> requests, not yet in vLLM's stats
+        self._dropped_stores = 0  # stores no CPU slot was free for, not yet in vLLM's stats
 
     # -- startup ------------------------------------------------------------------
     def _scan_disk(self) -> None:
@@ -367,6 +368,12 @@ class TierCacheScheduler:
         decisions, self._decisions = self._decisions, Counter()
         return decisions
 
+    def take_dropped_stores(self) -> int:
+        """Blocks not stored since the last call because every CPU slot was held by a
+        transfer, for vLLM's connector stats."""
+        dropped, self._dropped_stores = self._dropped_stores, 0
+        return dropped
+
     def hit_tiers(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of this request's planned hit, by the tier each block was found in
         (a block lost since is still counted where it was found: vLLM recomputes it
@@ -462,7 +469,14 @@ class TierCacheScheduler:
             try:
                 slot = self.policy.claim(block_hash)
             except CpuTierFull:
-                self.stats["store_dropped"] += 1
+                # Every slot is held by a transfer: this block and the rest of the range
+                # are not stored (a later request for them recomputes), and the
+                # operator sees them counted.
+                self._dropped_stores += sum(
+                    1
+                    for h in request.block_hashes[i:limit]
+                    if (key := self._block_key(h)) not in self.slots and key not in self.policy.on_disk
+                )
                 break
             self._name(block_hash, request.block_hashes[i])
             meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU, req_id))

@@ -28,8 +28,14 @@ _COUNTERS = {
     "vllm:tiercache_failed_blocks": ("failed_blocks_", "Blocks a tiercache load could not serve"),
 }
 # counter name in vLLM's /metrics -> (stats key, help), without labels of their own
+STORES_DROPPED = "stores_dropped"
 _PLAIN_COUNTERS = {
     "vllm:tiercache_stored_blocks": ("stored_blocks", "Blocks copied into the tiercache CPU tier"),
+    "vllm:tiercache_stores_dropped": (
+        STORES_DROPPED,
+        "Blocks not stored because every tiercache CPU slot was held by a transfer "
+        "(the CPU tier is too small for the pace of the write-down to disk and S3)",
+    ),
     "vllm:tiercache_write_holds": (
         "write_holds",
         "Holds of the write-down to disk and S3 for steps loading tiercache hits (movers.yield_to_loads; "

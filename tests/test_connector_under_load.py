@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from tiercache.config import build_config
 from tiercache.connector.scheduler import TierCacheScheduler
-from tiercache.connector.stats import GaugeReport, TierCachePromMetrics, TierCacheStats
+from tiercache.connector.stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats
 from tiercache.keys import KVSpec
 
 from support.scheduler_steps import blocks_of, scheduler_output
@@ -116,3 +116,20 @@ def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
     prom.observe(later.to_dict())
     assert value("vllm:tiercache_stores_in_flight") == 4
     assert value("vllm:tiercache_loads_in_flight") == 1
+
+
+def test_dropped_stores_reach_their_counter():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
+
+    types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    prom = TierCachePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    for dropped in (3, 0, 2):
+        step = TierCacheStats()
+        step.add(STORES_DROPPED, dropped)
+        prom.observe(step.to_dict())
+    assert registry.get_sample_value("vllm:tiercache_stores_dropped_total", {"engine": "0"}) == 5

@@ -139,6 +139,22 @@ def test_disk_presence_is_counted_per_rank():
     assert block not in sched.policy.on_disk
 
 
+def test_stores_no_slot_is_free_for_are_dropped_and_counted():
+    """Two slots, both held by the write-down of a first prompt: the next prompt's
+    blocks are not stored (a later request recomputes them) and the scheduler counts
+    them for vLLM's stats (vllm:tiercache_stores_dropped)."""
+    sched = make_scheduler(tp=1, slots=2)
+    held = store(sched, request("r1", [b"a" * 32, b"b" * 32]), [1, 2]).stores
+    assert len(held) == 2 and sched.take_dropped_stores() == 0
+    assert store(sched, request("r2", [b"c" * 32, b"d" * 32]), [3, 4]).stores == []
+    assert sched.take_dropped_stores() == 2
+    assert sched.take_dropped_stores() == 0
+    for op in held:
+        report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot), rank=0)
+    (later,) = store(sched, request("r3", [b"e" * 32]), [5, 6]).stores  # a slot is free again
+    assert later.block_hash == b"e" * 32 and sched.take_dropped_stores() == 0
+
+
 def test_the_ledger_keeps_nothing_once_every_rank_reported():
     ledger = ReportLedger(ranks=2, disk_ranks=2)
     for slot in range(1000):
