@@ -32,6 +32,11 @@ class RecentLoadFailures:
         while len(self._until) > MAX_REMEMBERED:
             self._until.popitem(last=False)
 
+    def discard(self, block: bytes) -> None:
+        """A sound copy of `block` was just made (a store of it recomputed, a staging
+        that passed its check): it may be offered again at once."""
+        self._until.pop(block, None)
+
     def __contains__(self, block: bytes) -> bool:
         until = self._until.get(block)
         if until is None:

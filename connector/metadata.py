@@ -46,6 +46,8 @@ class TierCacheMetadata(KVConnectorMetadata):
 # failure at the first report (see ledger.py).
 FILLED = "filled"  # value (block hash, slot): the block is now in that CPU slot on this rank
 FILL_FAILED = "fill_failed"  # value (block hash, slot)
+# value (block hash, slot): a store not made, its block computed over a failed load
+STORE_VOID = "store_void"
 RELEASED = "released"  # value slot: this rank no longer reads or writes it (one pin)
 ON_DISK = "on_disk"  # value block hash: written to this rank's disk tier
 OFF_DISK = "off_disk"  # value block hash: evicted or lost from this rank's disk tier

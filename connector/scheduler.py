@@ -42,6 +42,7 @@ from .metadata import (
     ON_DISK,
     READ_FAILED,
     RELEASED,
+    STORE_VOID,
     BlockOp,
     LoadJob,
     TierCacheMetadata,
@@ -106,7 +107,7 @@ class TierCacheScheduler:
         self.config = config
         # A hit with no S3 block then loads synchronously, its disk blocks through no
         # CPU slot (connector/disk_reads.py).
-        self.disk_in_forward = reads_disk_in_forward(config, kv_in_host_memory)
+        self.disk_in_forward = reads_disk_in_forward(config, kv_in_host_memory, tp_size=specs[0].tp_size)
         self.specs = specs
         self.block_size = specs[0].block_size
         self.model_digest = specs[0].model_digest()
@@ -462,6 +463,10 @@ class TierCacheScheduler:
         limit = min(done_tokens // self.block_size, len(request.block_hashes), len(state.block_ids))
         if not self.config.store_decode:
             limit = min(limit, request.num_prompt_tokens // self.block_size)
+        # vLLM computes blocks again that it had counted as computed after a load
+        # failed (from the lost block on) or a preemption: they are stored as they come,
+        # unless a tier holds them.
+        state.next_block = min(state.next_block, computed // self.block_size)
         for i in range(state.next_block, limit):
             block_hash = self._block_key(request.block_hashes[i])
             if block_hash in self.slots or block_hash in self.policy.on_disk:
@@ -510,16 +515,18 @@ class TierCacheScheduler:
             block_hash, slot = value
             if not self.policy.holds(block_hash, slot):
                 self.ledger.end_fill(block_hash, slot)  # that fill ended: the report is stale
-            elif self.ledger.fill(rank, block_hash, slot):
-                self.policy.filled(block_hash, slot)
-        elif kind == FILL_FAILED:
+            elif self.ledger.fill(rank, block_hash, slot) and self.policy.filled(block_hash, slot):
+                self.load_failures.discard(block_hash)
+        elif kind in (FILL_FAILED, STORE_VOID):
             block_hash, slot = value
             self.ledger.end_fill(block_hash, slot)
             self.policy.fill_failed(block_hash, slot)
-            self.load_failures.add(block_hash)
+            if kind == FILL_FAILED:  # a void store says nothing of the block's other copies
+                self.load_failures.add(block_hash)
         elif kind == ON_DISK:
             if self.ledger.stored_on_disk(rank, value):
                 self.policy.stored_on_disk(value)
+                self.load_failures.discard(value)
         elif kind == OFF_DISK:
             self.ledger.gone_from_disk(rank, value)
             self.policy.gone_from_disk(value)

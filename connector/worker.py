@@ -35,6 +35,7 @@ from .metadata import (
     ON_DISK,
     READ_FAILED,
     RELEASED,
+    STORE_VOID,
     BlockOp,
     LoadJob,
     Report,
@@ -109,6 +110,8 @@ class TierCacheWorker:
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # This step's synchronous loads: their requests' forward runs in this step.
+        self._sync_loads: list[LoadJob] = []
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
@@ -166,7 +169,9 @@ class TierCacheWorker:
         layout, dtype, shapes = copier.describe()
         # Objects this rank may read layer by layer into the paged KV carry a checksum
         # per layer's page, so each is verified while still in cache (disk_reads.py).
-        reads_by_layer = reads_disk_in_forward(self.config, kv_in_host_memory=not copier.on_cuda)
+        reads_by_layer = reads_disk_in_forward(
+            self.config, kv_in_host_memory=not copier.on_cuda, tp_size=self.spec.tp_size
+        )
         offsets = tuple(region.offset for region in copier.regions) if reads_by_layer else ()
         shape = ObjectShape(
             self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes, offsets
@@ -264,6 +269,7 @@ class TierCacheWorker:
                 self._async.append(self._stage(job))
             else:
                 cpu_hits.append(job)
+        self._sync_loads = cpu_hits
         if cpu_hits:
             self._load_cpu_hits(cpu_hits)
         self._poll_async()
@@ -538,12 +544,17 @@ class TierCacheWorker:
             self._end_groups(meta)
             return
         self._begin_step(meta)
-        ops = meta.stores
+        void = self._computed_over_failed_loads()
+        ops = [op for op in meta.stores if op.req_id not in void]
         if saving is not None:
             saving.finish()
-        else:
+        elif ops:
             assert self.copier is not None and self.buffer is not None  # set with the engine
             self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
+        for op in meta.stores:
+            if op.req_id in void:
+                self._emit(STORE_VOID, (op.block_hash, op.slot))
+                self._emit(RELEASED, op.slot)
         self._stats.add("stored_blocks", len(ops))
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
@@ -558,6 +569,17 @@ class TierCacheWorker:
             else:
                 self._emit(RELEASED, op.slot)
         self._end_groups(meta)
+
+    def _computed_over_failed_loads(self) -> set[str]:
+        """Requests of this step whose synchronous load lost a block (a disk read that
+        failed its check, a block gone before the step). The forward that just ran
+        computed their later blocks over what that block's pages held, garbage or
+        stale: vLLM drops that output and recomputes from the lost block, and those
+        blocks must not be stored either, or a later hit would serve them."""
+        failed = self._failed_blocks
+        void = {job.req_id for job in self._sync_loads if any(op.gpu_block in failed for op in job.ops)}
+        self._sync_loads = []
+        return void
 
     def _end_groups(self, meta: TierCacheMetadata) -> None:
         """Requests whose stores are all queued now: their partial S3 runs may ship."""

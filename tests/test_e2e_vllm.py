@@ -164,21 +164,102 @@ def test_embedded_default_config(model, workdir, reference):
     assert_same_output(hit, reference["p1"])
 
 
+def corrupt(path: Path) -> None:
+    """Same size, garbage pages: only the checksum can tell."""
+    data = bytearray(path.read_bytes())
+    data[-4096:] = bytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def p1_block_hashes() -> list[bytes]:
+    """P1's block hashes as the engines name its objects (run_engine's PYTHONHASHSEED)."""
+    from tiercache.block_hashing import BlockHashing, shareable_seed
+
+    hashes = BlockHashing("sha256", BLOCK, shareable_seed("sha256", {"PYTHONHASHSEED": "0"})).block_hashes(P1)
+    assert len(hashes) == 9
+    return hashes
+
+
 def test_corrupt_disk_objects_are_recomputed_never_wrong(first_engine, model, workdir, reference):
     disk = workdir / "disk-corrupt"
     shutil.copytree(workdir / "disk-a", disk)
     objects = list(disk.rglob("*.safetensors"))
     assert objects
-    for path in objects:  # same size, garbage pages: only the checksum can tell
-        data = bytearray(path.read_bytes())
-        data[-4096:] = bytes(4096)
-        path.write_bytes(bytes(data))
-    out = engine(model, workdir, {"disk": {"path": str(disk)}}, prompts(("p1", P1), ("p1", P1)))
+    for path in objects:
+        corrupt(path)
+    out = engine(
+        model,
+        workdir,
+        {"namespace": "e2e", "disk": {"path": str(disk)}},  # the namespace the objects were written in
+        prompts(("p1", P1), ("p1", P1)),
+        log_stats=True,
+        counters="vllm:tiercache_failed_blocks",
+    )
     recomputed, hit_again = out["results"]
     assert_same_output(recomputed, reference["p1"])
+    assert recomputed["counters"]["tier=disk"] > 0  # the objects were read, and refused
     # The corrupt objects were dropped and the recomputed blocks stored again.
     assert hit_again["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(hit_again, reference["p1"])
+
+
+@pytest.mark.parametrize("in_forward", [True, False], ids=["read-in-forward", "staged-to-cpu"])
+def test_a_corrupt_block_mid_prefix_is_recomputed_from_there_never_wrong(
+    first_engine, model, workdir, reference, in_forward
+):
+    """Block 4 of P1's 9 is corrupt on disk, the rest sound: the hit's blocks 0-3 are
+    good, and vLLM must recompute from block 4 on, whatever was loaded after it. Both
+    ways a disk hit is loaded on the CPU backend: read into the paged KV inside the
+    forward (checked before the step's output counts) and staged into the CPU tier
+    first (checked before the load is reported done)."""
+    disk = workdir / f"disk-mid-prefix-{'forward' if in_forward else 'staged'}"
+    shutil.copytree(workdir / "disk-a", disk)
+    (victim,) = disk.rglob(f"{p1_block_hashes()[4].hex()}.safetensors")
+    corrupt(victim)
+    out = engine(
+        model,
+        workdir,
+        {"namespace": "e2e", "disk": {"path": str(disk), "load_in_forward": in_forward}},
+        prompts(("p1", P1), ("p1", P1)),
+        log_stats=True,
+        counters="vllm:tiercache_failed_blocks",
+    )
+    first, again = out["results"]
+    assert_same_output(first, reference["p1"])
+    # Read in the forward, block 4 alone fails its check (vLLM drops what came after
+    # it); staged, the blocks after it are failed with it and never copied.
+    failed = {"tier=disk": 1 if in_forward else 5}
+    assert {k: v for k, v in first["counters"].items() if v} == failed
+    # The corrupt object was dropped, and the recomputed blocks stored again.
+    assert again["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(again, reference["p1"])
+    assert {k: v for k, v in again["counters"].items() if v} == failed
+
+
+def test_blocks_computed_over_a_corrupt_block_are_never_cached(first_engine, model, workdir, reference):
+    """The disk holds P1's blocks 0-5 only, block 2 corrupt. P1's hit reads 0-5 inside
+    the forward, which computes blocks 6-8 over them in the same step: their KV
+    depends on the garbage of block 2 until vLLM recomputes from there. They must not
+    be stored then; the blocks recomputed from 2 on must be, so that a later request
+    is a whole hit, and a right one."""
+    from tiercache.connector.load_failures import BACKOFF_SECONDS
+
+    disk = workdir / "disk-poisoned-step"
+    shutil.copytree(workdir / "disk-a", disk)
+    hashes = p1_block_hashes()
+    for gone in hashes[6:]:
+        next(disk.rglob(f"{gone.hex()}.safetensors")).unlink()
+    corrupt(next(disk.rglob(f"{hashes[2].hex()}.safetensors")))
+    out = engine(
+        model,
+        workdir,
+        {"namespace": "e2e", "disk": {"path": str(disk)}},
+        # A block whose load failed is not offered for 30 s (connector/load_failures.py).
+        [*prompts(("p1", P1)), {"sleep": BACKOFF_SECONDS + 1}, *prompts(("p1", P1), ("p1", P1))],
+    )
+    for result in out["results"]:
+        assert_same_output(result, reference["p1"])
+    assert out["results"][2]["num_cached_tokens"] == 9 * BLOCK
 
 
 @pytest.fixture(scope="module")

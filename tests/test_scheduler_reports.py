@@ -22,11 +22,16 @@ from tiercache.connector.metadata import (
     OFF_DISK,
     ON_DISK,
     RELEASED,
+    STORE_VOID,
+    BlockOp,
+    LoadJob,
+    TierCacheMetadata,
     TierCacheWorkerMetadata,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.keys import KVSpec
+from tiercache.tiers import CPU
 
 from support.scheduler_steps import blocks_of, new_request, report, scheduler_output
 
@@ -422,6 +427,102 @@ def test_a_block_whose_load_failed_is_not_offered_again_to_the_rescheduled_reque
     assert sched.get_num_new_matched_tokens(req, 0) == (BLOCK, False)
     now[0] = 31.0  # the tier may have recovered: the block is offered again
     assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (3 * BLOCK, True)
+
+
+def test_blocks_recomputed_after_a_failed_load_are_stored_and_offered_at_once():
+    """A load of blocks 0-2 whose block 1 failed: vLLM sets the request back to block
+    1 and computes it again. Those blocks were counted as loaded, not computed, and
+    were never stored: now they are, and once stored the failed block is offered
+    again at once (its backoff is for a copy that may still be bad, not for this one)."""
+    sched = make_scheduler(tp=1, slots=8, disk={"path": "/tmp/tiercache-unit-disk-never-created"})
+    blocks = [bytes([i]) * 32 for i in range(3)]
+    for block in blocks:
+        sched.policy.stored_on_disk(block)
+    # Staged from disk, block 1 failing its check (its object is then deleted).
+    req = request("r1", blocks)
+    gpu = [1, 2, 3, 4]
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    staged = [(FILLED, (op.block_hash, op.slot)) for op in job.ops]
+    staged[1] = (FILL_FAILED, (blocks[1], job.ops[1].slot))
+    report(sched, *staged, *[(RELEASED, op.slot) for op in job.ops], (OFF_DISK, blocks[1]), rank=0)
+    # vLLM schedules the request from block 1 on.
+    sched.update_state_after_alloc(req, blocks_of(gpu), 0)
+    new = new_request(req, gpu, num_computed_tokens=BLOCK)
+    meta = sched.build_connector_meta(scheduler_output([new], scheduled={"r1": 2 * BLOCK + 1}))
+    (op,) = meta.stores  # block 2 is in the CPU tier and on disk
+    assert (op.block_hash, op.gpu_block) == (blocks[1], 2)
+    assert sched.get_num_new_matched_tokens(request("r2", blocks), 0) == (BLOCK, False)
+    report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot), rank=0)
+    assert sched.get_num_new_matched_tokens(request("r3", blocks), 0) == (3 * BLOCK, False)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_disk_hits_are_read_in_the_forward_with_one_rank_only(tp):
+    """Each rank checks only its own objects: with two, a rank whose read failed could
+    void its stores of that step, while the other stored its shards of the same
+    blocks, computed over the bad one through the all-reduce. So with tensor
+    parallelism a disk hit is staged and checked before the forward."""
+    disk = {"path": "/tmp/tiercache-unit-disk-never-created"}
+    cfg = build_config({"cpu": {"capacity": 4 * PAGE * len(LAYERS)}, "disk": disk})
+    sched = TierCacheScheduler(
+        cfg, [spec(r, tp) for r in range(tp)], kv_cache_config(64), worker_count=tp, kv_in_host_memory=True
+    )
+    block = b"d" * 32
+    sched.policy.stored_on_disk(block)
+    assert sched.get_num_new_matched_tokens(request("r", [block]), 0) == (BLOCK, tp > 1)
+
+
+def test_a_void_store_frees_its_slot_and_leaves_the_block_unstored():
+    """A worker voids a store whose block was computed over a failed load: the slot
+    is free, the block is not in the CPU tier, and nothing keeps it from being
+    stored, or offered, when it is computed again."""
+    sched = make_scheduler(tp=2, slots=2)
+    (op,) = store(sched, request("r1", [b"v" * 32]), [3, 4]).stores
+    report(sched, (STORE_VOID, (op.block_hash, op.slot)), (RELEASED, op.slot), rank=0)
+    report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot), rank=1)  # its rank stored it
+    assert op.block_hash not in sched.slots and sched.slots.pinned() == 0
+    assert op.block_hash not in sched.load_failures
+    (again,) = store(sched, request("r2", [b"v" * 32]), [5, 6]).stores
+    report(sched, *[(FILLED, (again.block_hash, again.slot)), (RELEASED, again.slot)], rank=0)
+    report(sched, *[(FILLED, (again.block_hash, again.slot)), (RELEASED, again.slot)], rank=1)
+    assert sched.get_num_new_matched_tokens(request("r3", [b"v" * 32]), 0) == (BLOCK, False)
+
+
+def test_a_worker_voids_the_stores_its_failed_synchronous_load_computed():
+    """A step loads r1's block synchronously, and the block is gone (evicted since the
+    lookup): the forward computes r1's next block over whatever that page held. vLLM
+    drops that output; the worker must not store the block either. r2's store, in
+    the same step, is sound."""
+    kv = {name: torch.zeros(16, *LAYER_SHAPE) for name in LAYERS}
+    slot_bytes = PagedKVCopier(kv, 16).slot_bytes
+    worker = TierCacheWorker(
+        build_config({"cpu": {"capacity": 4 * slot_bytes}}),
+        spec(0, 1),
+        "m",
+        16,
+        tp_rank=0,
+        writes_lower_tiers=False,
+        disk_share=0,
+    )
+    worker.register_kv_caches(kv, slot_bytes)
+    lost, over_it, sound = b"l" * 32, b"a" * 32, b"b" * 32
+    meta = TierCacheMetadata(
+        loads=[LoadJob("r1", [BlockOp(lost, 1, -1, "")], is_async=False)],
+        stores=[BlockOp(over_it, 2, 0, CPU, "r1"), BlockOp(sound, 3, 1, CPU, "r2")],
+    )
+    worker.start_load_kv(meta)
+    for name in LAYERS:
+        worker.wait_for_layer(name)
+    worker.wait_for_save(meta)
+    reports = [(kind, value) for _, kind, value in worker.take_worker_meta().reports]
+    assert (STORE_VOID, (over_it, 0)) in reports and (RELEASED, 0) in reports
+    assert (FILLED, (sound, 1)) in reports
+    assert not [value for kind, value in reports if kind == FILLED and value[0] == over_it]
+    assert worker.take_failed_blocks() == {1}
+    assert worker.take_stats().data["stored_blocks"] == 1
+    worker.shutdown()
 
 
 def test_a_prompt_chunked_over_steps_ends_its_s3_run_group_with_its_last_block():

@@ -36,12 +36,20 @@ def promotes_to_disk(tier: str, has_disk: bool, *, write_back: bool) -> bool:
     return tier == S3 and has_disk and not write_back
 
 
-def reads_disk_in_forward(config: TierCacheConfig, kv_in_host_memory: bool) -> bool:
+def reads_disk_in_forward(config: TierCacheConfig, kv_in_host_memory: bool, tp_size: int) -> bool:
     """Whether disk hits are read straight into the paged KV during the forward
     (connector/disk_reads.py): only where the paged KV is in host memory (vLLM's CPU
-    backend) and `disk.load_in_forward` allows. The scheduler plans such loads and the
-    worker writes objects for them (with a checksum per layer): one rule for both."""
-    return kv_in_host_memory and config.disk is not None and config.disk.load_in_forward
+    backend) and `disk.load_in_forward` allows, with one tensor-parallel rank. The
+    scheduler plans such loads and the worker writes objects for them (with a checksum
+    per layer): one rule for both.
+
+    A read that fails its check is found after the forward that used it, and the
+    blocks that forward computed after it are not stored (the worker voids them). Each
+    rank checks only its own objects, though, and with several ranks the others would
+    store their shards of those blocks, computed over a bad shard through the
+    all-reduce: so with tensor parallelism disk hits are staged and checked before
+    the forward, as on GPUs."""
+    return kv_in_host_memory and tp_size == 1 and config.disk is not None and config.disk.load_in_forward
 
 
 class TierWatcher(Protocol):
