@@ -5,6 +5,7 @@ working set is several times the server's KV cache (issue 15, item 3).
     .venv/bin/python benchmarks/serve.py                  # all four configs, both traces
     .venv/bin/python benchmarks/serve.py --smoke          # a small trace, to try the set-up
     .venv/bin/python benchmarks/serve.py --plot           # docs/img/serve.png from the saved JSON
+    .venv/bin/python benchmarks/serve.py --tiercache-set movers.yield_to_loads=false  # override a setting
 
 Configs, one server each, started one after another in this run:
 
@@ -126,6 +127,9 @@ COUNTERS = {
         for tier in ("cpu", "disk", "s3")
     },
     "tiercache_stored_blocks": ("vllm:tiercache_stored_blocks_total", {}),
+    "tiercache_stores_dropped": ("vllm:tiercache_stores_dropped_total", {}),
+    "tiercache_write_holds": ("vllm:tiercache_write_holds_total", {}),
+    "tiercache_write_holds_refused": ("vllm:tiercache_write_holds_refused_total", {}),
 }
 IN_FLIGHT = ("vllm:tiercache_loads_in_flight", "vllm:tiercache_stores_in_flight")
 
@@ -281,7 +285,7 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
     from tiercache.testing.vllm_runner import connector_config
 
     shutil.rmtree(disk, ignore_errors=True)
-    return connector_config(
+    config = connector_config(
         {
             "namespace": "bench-serve",
             "cpu": {"capacity": args.cpu_blocks * KV_BLOCK_BYTES},
@@ -289,6 +293,19 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
             **(shared or {}),
         }
     )
+    for setting in args.tiercache_set:
+        # "movers.yield_to_loads=true": a JSON value, or the text as a string.
+        path, _, text = setting.partition("=")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        *parents, leaf = path.split(".")
+        node = config["kv_connector_extra_config"]
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return config
 
 
 @contextlib.contextmanager
@@ -696,6 +713,13 @@ def main() -> None:
     parser.add_argument("--disk-blocks", type=int, default=480, help="tiercache disk tier")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tiercache-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a tiercache setting for every tiercache config, dotted: movers.yield_to_loads=true",
+    )
     parser.add_argument("--reserved-cpus", type=int, default=1, help="where moto and redis-server run")
     parser.add_argument("--quiet-wait", type=float, default=1800, help="longest wait for foreign vLLM to end")
     parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
