@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "disk": {"path": str(disk)},
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": "pairs/"},
-            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off", "yield_to_loads": True},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},
         }
         # --write-through names the lower tiers the prompt's write-through goes to, to
         # tell what of the in-flight hit's cost each one brings.
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     disk_only = {
         "cpu": small_cpu,
         "disk": {"path": str(disk)},
-        "movers": {"cost_model": "off", "yield_to_loads": True},
+        "movers": {"cost_model": "off"},
     }
     runner.run("tiercache_disk", items, kv_transfer_config=tiercache_kv(disk_only), counters=LOADED_BLOCKS)
     runner.stop()
