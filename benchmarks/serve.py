@@ -285,7 +285,7 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
     from tiercache.testing.vllm_runner import connector_config
 
     shutil.rmtree(disk, ignore_errors=True)
-    config = connector_config(
+    return connector_config(
         {
             "namespace": "bench-serve",
             "cpu": {"capacity": args.cpu_blocks * KV_BLOCK_BYTES},
@@ -293,19 +293,18 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
             **(shared or {}),
         }
     )
-    for setting in args.tiercache_set:
-        # "movers.yield_to_loads=true": a JSON value, or the text as a string.
-        path, _, text = setting.partition("=")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        *parents, leaf = path.split(".")
-        node = config["kv_connector_extra_config"]
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return config
+
+
+def tiercache_env(settings: list[str]) -> dict[str, str]:
+    """--tiercache-set movers.yield_to_loads=false as the environment override every
+    tiercache process reads on top of its config (TIERCACHE_MOVERS__YIELD_TO_LOADS)."""
+    from tiercache.config import ENV_PREFIX
+
+    env = {}
+    for setting in settings:
+        path, _, value = setting.partition("=")
+        env[ENV_PREFIX + path.replace(".", "__").upper()] = value
+    return env
 
 
 @contextlib.contextmanager
@@ -417,7 +416,8 @@ def run_config(
     out: dict[str, Any] = {"waited_for_quiet_s": waited, "traces": {}}
     with config_services(name, args, work) as (kv, python, lmcache):
         began = time.monotonic()
-        server = VllmServer(model, server_args(args, kv), work / f"{name}.log", ENV, python=python)
+        env = {**ENV, **tiercache_env(args.tiercache_set)} if name.startswith("tiercache") else ENV
+        server = VllmServer(model, server_args(args, kv), work / f"{name}.log", env, python=python)
         try:
             server.wait_ready()
             out["startup_s"] = time.monotonic() - began

@@ -467,22 +467,22 @@ class TierCacheScheduler:
         # failed (from the lost block on) or a preemption: they are stored as they come,
         # unless a tier holds them.
         state.next_block = min(state.next_block, computed // self.block_size)
+        tier_full = False
         for i in range(state.next_block, limit):
             block_hash = self._block_key(request.block_hashes[i])
             if block_hash in self.slots or block_hash in self.policy.on_disk:
                 continue
-            try:
-                slot = self.policy.claim(block_hash)
-            except CpuTierFull:
-                # Every slot is held by a transfer: this block and the rest of the range
-                # are not stored (a later request for them recomputes), and the
-                # operator sees them counted.
-                self._dropped_stores += sum(
-                    1
-                    for h in request.block_hashes[i:limit]
-                    if (key := self._block_key(h)) not in self.slots and key not in self.policy.on_disk
-                )
-                break
+            if not tier_full:
+                try:
+                    slot = self.policy.claim(block_hash)
+                except CpuTierFull:
+                    tier_full = True
+            if tier_full:
+                # Every slot is held by a transfer (none frees during this loop): the
+                # rest of the range is not stored (a later request for it recomputes),
+                # and the operator sees it counted.
+                self._dropped_stores += 1
+                continue
             self._name(block_hash, request.block_hashes[i])
             meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU, req_id))
         planned = limit > state.next_block

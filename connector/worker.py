@@ -110,8 +110,6 @@ class TierCacheWorker:
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
-        # This step's synchronous loads: their requests' forward runs in this step.
-        self._sync_loads: list[LoadJob] = []
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
@@ -269,7 +267,6 @@ class TierCacheWorker:
                 self._async.append(self._stage(job))
             else:
                 cpu_hits.append(job)
-        self._sync_loads = cpu_hits
         if cpu_hits:
             self._load_cpu_hits(cpu_hits)
         self._poll_async()
@@ -544,7 +541,7 @@ class TierCacheWorker:
             self._end_groups(meta)
             return
         self._begin_step(meta)
-        void = self._computed_over_failed_loads()
+        void = self._computed_over_failed_loads(meta)
         ops = [op for op in meta.stores if op.req_id not in void]
         if saving is not None:
             saving.finish()
@@ -570,16 +567,18 @@ class TierCacheWorker:
                 self._emit(RELEASED, op.slot)
         self._end_groups(meta)
 
-    def _computed_over_failed_loads(self) -> set[str]:
+    def _computed_over_failed_loads(self, meta: TierCacheMetadata) -> set[str]:
         """Requests of this step whose synchronous load lost a block (a disk read that
         failed its check, a block gone before the step). The forward that just ran
         computed their later blocks over what that block's pages held, garbage or
         stale: vLLM drops that output and recomputes from the lost block, and those
         blocks must not be stored either, or a later hit would serve them."""
-        failed = self._failed_blocks
-        void = {job.req_id for job in self._sync_loads if any(op.gpu_block in failed for op in job.ops)}
-        self._sync_loads = []
-        return void
+        failed = self._failed_blocks  # this step's, until vLLM takes them after the save
+        return {
+            job.req_id
+            for job in meta.loads
+            if not job.is_async and any(op.gpu_block in failed for op in job.ops)
+        }
 
     def _end_groups(self, meta: TierCacheMetadata) -> None:
         """Requests whose stores are all queued now: their partial S3 runs may ship."""

@@ -79,7 +79,8 @@ def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup
     assert not job.is_async
 
 
-def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
+def prom_metrics(labelnames: list[str], labelvalues: list[str]):
+    """tiercache's metrics for vLLM, in a registry of their own: (metrics, registry)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     registry = CollectorRegistry()
@@ -89,7 +90,11 @@ def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
 
     types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
     config = SimpleNamespace(kv_transfer_config=None)
-    prom = TierCachePromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"]})
+    return TierCachePromMetrics(config, types, labelnames, {0: labelvalues}), registry
+
+
+def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
+    prom, registry = prom_metrics(["model_name", "engine"], ["m", "0"])
 
     def value(name: str) -> float:
         return registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
@@ -119,15 +124,7 @@ def test_gauges_reach_metrics_as_the_sum_of_each_sources_latest_report():
 
 
 def test_dropped_stores_reach_their_counter():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    registry = CollectorRegistry()
-
-    def bound(cls):
-        return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
-
-    types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
-    prom = TierCachePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    prom, registry = prom_metrics(["engine"], ["0"])
     for dropped in (3, 0, 2):
         step = TierCacheStats()
         step.add(STORES_DROPPED, dropped)
