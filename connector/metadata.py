@@ -34,6 +34,11 @@ class TierCacheMetadata(KVConnectorMetadata):
     # Requests whose last block to store is in this step's stores: their partial S3
     # runs ship once those blocks are written (tiercache/run_packer.py).
     stores_done: list[str] = field(default_factory=list)
+    # Per request with stores this step: the paged-KV blocks its forward reads that
+    # this step loads synchronously, its own or (through vLLM's prefix cache) another
+    # request's. Should one fail, the blocks that request computes are computed over
+    # garbage, and its stores are void.
+    store_reads: dict[str, list[int]] = field(default_factory=dict)
     # No request computes this step: vLLM is only polling for loads in flight.
     idle: bool = False
     # Tokens this step computes, set only when some of them are prompt tokens: the

@@ -435,12 +435,28 @@ class TierCacheScheduler:
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
+        self._note_store_reads(meta)
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
         # A lookup holds only until the step it was made for is planned.
         self._lookups.clear()
         self._hit_tiers.clear()
         return meta
+
+    def _note_store_reads(self, meta: TierCacheMetadata) -> None:
+        """Which of this step's synchronous loads each storing request reads. vLLM's
+        prefix cache shares a block being loaded with every request scheduled after
+        its loader in the same step, so a request that loads nothing may still compute
+        its blocks over a load that fails (vLLM then recomputes them, and so must not
+        we store them)."""
+        loading = {op.gpu_block for job in meta.loads if not job.is_async for op in job.ops}
+        if not loading:
+            return
+        for req_id in {op.req_id for op in meta.stores}:
+            state = self._requests.get(req_id)
+            reads = sorted(loading.intersection(state.block_ids)) if state is not None else []
+            if reads:
+                meta.store_reads[req_id] = reads
 
     def _computes_prompt(self, output: SchedulerOutput) -> bool:
         """Whether this step computes prompt tokens (a prefill, or a chunk of one):

@@ -568,17 +568,14 @@ class TierCacheWorker:
         self._end_groups(meta)
 
     def _computed_over_failed_loads(self, meta: TierCacheMetadata) -> set[str]:
-        """Requests of this step whose synchronous load lost a block (a disk read that
-        failed its check, a block gone before the step). The forward that just ran
-        computed their later blocks over what that block's pages held, garbage or
-        stale: vLLM drops that output and recomputes from the lost block, and those
-        blocks must not be stored either, or a later hit would serve them."""
+        """Requests of this step that read a block whose synchronous load failed (a
+        disk read that failed its check, a block gone before the step), whether they
+        loaded it or share it through vLLM's prefix cache. The forward that just ran
+        computed their blocks over what that block's pages held, garbage or stale:
+        vLLM drops that output and recomputes from the lost block, and those blocks
+        must not be stored either, or a later hit would serve them."""
         failed = self._failed_blocks  # this step's, until vLLM takes them after the save
-        return {
-            job.req_id
-            for job in meta.loads
-            if not job.is_async and any(op.gpu_block in failed for op in job.ops)
-        }
+        return {req_id for req_id, reads in meta.store_reads.items() if failed.intersection(reads)}
 
     def _end_groups(self, meta: TierCacheMetadata) -> None:
         """Requests whose stores are all queued now: their partial S3 runs may ship."""

@@ -7,10 +7,12 @@ flip between near-ties when kernels differ."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiercache.testing.model import write_tiny_llama
@@ -23,6 +25,7 @@ rng = random.Random(1234)
 P1 = [rng.randrange(1, 2000) for _ in range(299)]  # 9 full blocks are loadable
 P2 = P1[: 4 * BLOCK] + [rng.randrange(1, 2000) for _ in range(200)]  # shares 4 blocks with P1
 SHORT = P1[:20]  # shorter than one block
+SHARER = P1[: 6 * BLOCK] + [rng.randrange(1, 2000) for _ in range(140)]  # P1's first 6 blocks, 4 of its own
 DEAD_REDIS = "redis://127.0.0.1:1/0"
 DEAD_S3 = "http://127.0.0.1:1"
 
@@ -53,7 +56,7 @@ def engine(model, workdir, extra=None, items=(), **spec):
 
 @pytest.fixture(scope="module")
 def reference(model, workdir):
-    out = engine(model, workdir, None, prompts(("p1", P1), ("p2", P2), ("short", SHORT)))
+    out = engine(model, workdir, None, prompts(("p1", P1), ("p2", P2), ("short", SHORT), ("sharer", SHARER)))
     return {r["name"]: r for r in out["results"]}
 
 
@@ -81,12 +84,13 @@ def full_config(stack, disk: Path) -> dict:
 def first_engine(model, workdir, stack, reference):
     """Cold, then a CPU hit, a partial hit and a short prompt, all three tiers on. The
     hit comes while its prompt is still being written down, with the write-down gate
-    on: the hit's step holds those writes back (foreground.py)."""
+    on: the hit's step holds those writes back (foreground.py). SHARER, last, leaves
+    sound copies of its own blocks on disk-a for the corruption tests to compare."""
     out = engine(
         model,
         workdir,
         {**full_config(stack, workdir / "disk-a"), "movers": {"yield_to_loads": True}},
-        prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT)),
+        prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT), ("sharer", SHARER)),
         log_stats=True,
         counters="vllm:tiercache_write_holds",
     )
@@ -171,13 +175,43 @@ def corrupt(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def p1_block_hashes() -> list[bytes]:
-    """P1's block hashes as the engines name its objects (run_engine's PYTHONHASHSEED)."""
+def block_hashes(ids: list[int]) -> list[bytes]:
+    """A prompt's block hashes as the engines name its objects (run_engine's PYTHONHASHSEED)."""
     from tiercache.block_hashing import BlockHashing, shareable_seed
 
-    hashes = BlockHashing("sha256", BLOCK, shareable_seed("sha256", {"PYTHONHASHSEED": "0"})).block_hashes(P1)
+    return BlockHashing("sha256", BLOCK, shareable_seed("sha256", {"PYTHONHASHSEED": "0"})).block_hashes(ids)
+
+
+def p1_block_hashes() -> list[bytes]:
+    hashes = block_hashes(P1)
     assert len(hashes) == 9
     return hashes
+
+
+def object_of(disk: Path, block_hash: bytes) -> Path:
+    (path,) = disk.rglob(f"{block_hash.hex()}.safetensors")
+    return path
+
+
+def zero_first_layer(path: Path) -> None:
+    """Zero the object's first layer's page, all of it. Read in the forward, that page
+    fails its check and the block's later layers are not read: every layer's page of
+    the block holds bad bytes, so what the forward computes after it is wrong at every
+    layer but the first. (A bad last layer alone, as `corrupt` makes, may be read
+    before the first: the layers are read by several threads.)"""
+    data = bytearray(path.read_bytes())
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_bytes])
+    first_page = int(header["__metadata__"]["part_checksums_xxh3_64"].split(":")[0])
+    start = 8 + header_bytes
+    data[start : start + first_page] = bytes(first_page)
+    path.write_bytes(bytes(data))
+
+
+def stored_kv(path: Path) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))["kv"].view(np.float32)
 
 
 def test_corrupt_disk_objects_are_recomputed_never_wrong(first_engine, model, workdir, reference):
@@ -237,29 +271,42 @@ def test_a_corrupt_block_mid_prefix_is_recomputed_from_there_never_wrong(
 
 
 def test_blocks_computed_over_a_corrupt_block_are_never_cached(first_engine, model, workdir, reference):
-    """The disk holds P1's blocks 0-5 only, block 2 corrupt. P1's hit reads 0-5 inside
-    the forward, which computes blocks 6-8 over them in the same step: their KV
-    depends on the garbage of block 2 until vLLM recomputes from there. They must not
-    be stored then; the blocks recomputed from 2 on must be, so that a later request
-    is a whole hit, and a right one."""
-    from tiercache.connector.load_failures import BACKOFF_SECONDS
-
-    disk = workdir / "disk-poisoned-step"
-    shutil.copytree(workdir / "disk-a", disk)
-    hashes = p1_block_hashes()
-    for gone in hashes[6:]:
-        next(disk.rglob(f"{gone.hex()}.safetensors")).unlink()
-    corrupt(next(disk.rglob(f"{hashes[2].hex()}.safetensors")))
+    """P1 and SHARER arrive together. The disk holds P1's blocks 0-5 only, block 2's
+    first layer zeroed. P1's hit reads 0-5 inside the forward, and SHARER, scheduled in
+    the same step, shares them through vLLM's prefix cache: that forward computes P1's
+    blocks 6-8 and SHARER's 6-9 over block 2's bad pages. vLLM drops that output and
+    recomputes both; what tiercache stores must be what the recompute made, so that a
+    later process's hits are right."""
+    clean, disk = workdir / "disk-a", workdir / "disk-poisoned-step"
+    shutil.copytree(clean, disk)
+    p1, sharer = p1_block_hashes(), block_hashes(SHARER)
+    for gone in [*p1[6:], *sharer[6:]]:
+        object_of(disk, gone).unlink()
+    zero_first_layer(object_of(disk, p1[2]))
+    config = {"namespace": "e2e", "disk": {"path": str(disk)}}
+    both = prompts(("p1", P1), ("sharer", SHARER))
     out = engine(
         model,
         workdir,
-        {"namespace": "e2e", "disk": {"path": str(disk)}},
-        # A block whose load failed is not offered for 30 s (connector/load_failures.py).
-        [*prompts(("p1", P1)), {"sleep": BACKOFF_SECONDS + 1}, *prompts(("p1", P1), ("p1", P1))],
+        config,
+        [{"batch": both}],
+        enable_prefix_caching=True,
+        in_process=True,  # both requests in the first step
+        log_stats=True,
+        counters="vllm:tiercache_failed_blocks",
     )
     for result in out["results"]:
-        assert_same_output(result, reference["p1"])
-    assert out["results"][2]["num_cached_tokens"] == 9 * BLOCK
+        assert_same_output(result, reference[result["name"]])
+    assert {k: v for k, v in out["results"][-1]["counters"].items() if v} == {"tier=disk": 1}
+    # Stored again, each as a sound run computed it: the recomputed block 2 and the
+    # blocks computed over it.
+    for block in [p1[2], *p1[6:], *sharer[6:]]:
+        stored, sound = stored_kv(object_of(disk, block)), stored_kv(object_of(clean, block))
+        np.testing.assert_allclose(stored, sound, atol=1e-4)
+    later = engine(model, workdir, config, both)
+    for result in later["results"]:
+        assert result["num_cached_tokens"] == result["prompt_tokens"] // BLOCK * BLOCK  # every full block
+        assert_same_output(result, reference[result["name"]])
 
 
 @pytest.fixture(scope="module")

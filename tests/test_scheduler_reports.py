@@ -490,11 +490,45 @@ def test_a_void_store_frees_its_slot_and_leaves_the_block_unstored():
     assert sched.get_num_new_matched_tokens(request("r3", [b"v" * 32]), 0) == (BLOCK, False)
 
 
-def test_a_worker_voids_the_stores_its_failed_synchronous_load_computed():
+def test_each_store_names_the_synchronous_loads_its_request_reads():
+    """r1 loads two CPU-tier blocks this step. r2, scheduled after it in the same step,
+    shares them through vLLM's prefix cache (the same paged-KV blocks) and loads
+    nothing; r3 shares nothing. The blocks r1 and r2 compute are computed over r1's
+    loads, so the workers must know to void their stores should a load fail."""
+    sched = make_scheduler(tp=1, slots=8)
+    a, b = b"a" * 32, b"b" * 32
+    for op in store(sched, request("r0", [a, b]), [1, 2, 3]).stores:
+        report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot))
+    r1, r2, r3 = (
+        request("r1", [a, b, b"c" * 32]),
+        request("r2", [a, b, b"d" * 32]),
+        request("r3", [b"e" * 32]),
+    )
+    assert sched.get_num_new_matched_tokens(r1, 0) == (2 * BLOCK, False)
+    sched.update_state_after_alloc(r1, blocks_of([10, 11, 12]), 2 * BLOCK)
+    assert sched.get_num_new_matched_tokens(r2, 2 * BLOCK) == (0, False)  # vLLM's own hit
+    sched.update_state_after_alloc(r2, blocks_of([10, 11, 13]), 0)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (0, False)
+    sched.update_state_after_alloc(r3, blocks_of([14]), 0)
+    new = [
+        new_request(r1, [10, 11, 12], 2 * BLOCK),
+        new_request(r2, [10, 11, 13], 2 * BLOCK),
+        new_request(r3, [14]),
+    ]
+    meta = sched.build_connector_meta(
+        scheduler_output(new, scheduled={"r1": BLOCK + 1, "r2": BLOCK + 1, "r3": BLOCK + 1})
+    )
+    assert [(job.req_id, job.is_async) for job in meta.loads] == [("r1", False)]
+    assert sorted(op.gpu_block for op in meta.stores) == [12, 13, 14]
+    assert meta.store_reads == {"r1": [10, 11], "r2": [10, 11]}
+
+
+def test_a_worker_voids_the_stores_computed_over_a_failed_synchronous_load():
     """A step loads r1's block synchronously, and the block is gone (evicted since the
-    lookup): the forward computes r1's next block over whatever that page held. vLLM
-    drops that output; the worker must not store the block either. r2's store, in
-    the same step, is sound."""
+    lookup): the forward computes r1's next block over whatever that page held, and
+    r2's, which shares that block through vLLM's prefix cache. vLLM drops both
+    outputs; the worker must not store those blocks either. r3's store, in the same
+    step, is sound."""
     kv = {name: torch.zeros(16, *LAYER_SHAPE) for name in LAYERS}
     slot_bytes = PagedKVCopier(kv, 16).slot_bytes
     worker = TierCacheWorker(
@@ -507,19 +541,25 @@ def test_a_worker_voids_the_stores_its_failed_synchronous_load_computed():
         disk_share=0,
     )
     worker.register_kv_caches(kv, slot_bytes)
-    lost, over_it, sound = b"l" * 32, b"a" * 32, b"b" * 32
+    lost, over_it, shares_it, sound = b"l" * 32, b"a" * 32, b"s" * 32, b"b" * 32
     meta = TierCacheMetadata(
         loads=[LoadJob("r1", [BlockOp(lost, 1, -1, "")], is_async=False)],
-        stores=[BlockOp(over_it, 2, 0, CPU, "r1"), BlockOp(sound, 3, 1, CPU, "r2")],
+        stores=[
+            BlockOp(over_it, 2, 0, CPU, "r1"),
+            BlockOp(shares_it, 4, 2, CPU, "r2"),
+            BlockOp(sound, 3, 1, CPU, "r3"),
+        ],
+        store_reads={"r1": [1], "r2": [1]},
     )
     worker.start_load_kv(meta)
     for name in LAYERS:
         worker.wait_for_layer(name)
     worker.wait_for_save(meta)
     reports = [(kind, value) for _, kind, value in worker.take_worker_meta().reports]
-    assert (STORE_VOID, (over_it, 0)) in reports and (RELEASED, 0) in reports
+    for void, slot in ((over_it, 0), (shares_it, 2)):
+        assert (STORE_VOID, (void, slot)) in reports and (RELEASED, slot) in reports
+        assert not [value for kind, value in reports if kind == FILLED and value[0] == void]
     assert (FILLED, (sound, 1)) in reports
-    assert not [value for kind, value in reports if kind == FILLED and value[0] == over_it]
     assert worker.take_failed_blocks() == {1}
     assert worker.take_stats().data["stored_blocks"] == 1
     worker.shutdown()
