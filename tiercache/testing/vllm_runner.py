@@ -91,7 +91,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         )
 
     default_params = sampling(spec.get("max_tokens", 1))
-    results = []
+    results: list[dict[str, Any]] = []
     for prompt in spec["prompts"]:
         if prompt.get("reset_prefix_cache"):
             # vLLM's own prefix cache only (not the connector's tiers): the next
