@@ -447,8 +447,8 @@ class TierCacheScheduler:
         """Which of this step's synchronous loads each storing request reads. vLLM's
         prefix cache shares a block being loaded with every request scheduled after
         its loader in the same step, so a request that loads nothing may still compute
-        its blocks over a load that fails (vLLM then recomputes them, and so must not
-        we store them)."""
+        its blocks over a load that fails: vLLM recomputes them then, and the workers
+        must not store what this step made of them."""
         loading = {op.gpu_block for job in meta.loads if not job.is_async for op in job.ops}
         if not loading:
             return
