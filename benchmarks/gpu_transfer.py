@@ -53,10 +53,20 @@ def import_copier():
         installed = False
     if not installed:
         sys.path.insert(0, str(ROOT))
-        for name, folder in (("tiercache.tiers", "tiers"), ("tiercache.connector", "connector")):
-            package = types.ModuleType(name)
-            package.__path__ = [str(ROOT / folder)]
-            sys.modules[name] = package
+        # The tiers package's own __init__ runs (it names the tiers the CPU tier
+        # imports); the connector's is skipped.
+        spec = importlib.util.spec_from_file_location(
+            "tiercache.tiers",
+            ROOT / "tiers" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "tiers")],
+        )
+        assert spec is not None and spec.loader is not None
+        tiers = importlib.util.module_from_spec(spec)
+        sys.modules["tiercache.tiers"] = tiers
+        spec.loader.exec_module(tiers)
+        package = types.ModuleType("tiercache.connector")
+        package.__path__ = [str(ROOT / "connector")]
+        sys.modules["tiercache.connector"] = package
     else:
         try:
             importlib.import_module("tiercache.connector")
