@@ -33,10 +33,14 @@ from .copier import PagedKVCopier
 # Programs (thread blocks) each layer's copy kernel runs on. A copy over PCIe keeps its
 # SMs waiting on host memory; given every SM it holds them all and the forward's kernels
 # queue behind it (measured on an H100: the copy then overlapped almost nothing). A few
-# SMs keep PCIe busy and leave the rest to the forward. Best of 8, 12, 16 and 24 in each
-# of four runs on an H100 (benchmarks/gpu_layerwise.py): 16 for loads, 8 for stores.
+# SMs keep PCIe busy and leave the rest to the forward. On an H100
+# (benchmarks/gpu_layerwise.py, docs/benchmarks-e2e.md "GPU transfers"): 16 was the
+# best load grid of 8, 12, 16 and 24 in four runs out of four. For stores, 6 of 2, 4,
+# 6, 8 and 16: within 0.02x of the best after an 8.5 ms forward (8: 0.2x behind), and
+# 0.2x behind 8 after a 3 ms one, where 4 is 0.9x behind; a prefill's forward is
+# longer than either.
 LAYER_LOAD_PROGRAMS = 16
-LAYER_STORE_PROGRAMS = 8
+LAYER_STORE_PROGRAMS = 6
 
 
 def _require_one_launch(copier: PagedKVCopier, buffer: CpuBuffer, what: str) -> None:
