@@ -7,7 +7,6 @@ flip between near-ties when kernels differ."""
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
@@ -199,11 +198,14 @@ def zero_first_layer(path: Path) -> None:
     the block holds bad bytes, so what the forward computes after it is wrong at every
     layer but the first. (A bad last layer alone, as `corrupt` makes, may be read
     before the first: the layers are read by several threads.)"""
+    from tiercache.tiers.format import decode_header, header_length, parse_parts
+
     data = bytearray(path.read_bytes())
-    header_bytes = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_bytes])
-    first_page = int(header["__metadata__"]["part_checksums_xxh3_64"].split(":")[0])
-    start = 8 + header_bytes
+    header = decode_header(bytes(data[8 : 8 + header_length(data)]))
+    parts = parse_parts(header)
+    assert parts is not None  # written where disk hits are read in the forward
+    start, first_page, _ = parts[0]
+    start += header.data_offset
     data[start : start + first_page] = bytes(first_page)
     path.write_bytes(bytes(data))
 
@@ -211,7 +213,9 @@ def zero_first_layer(path: Path) -> None:
 def stored_kv(path: Path) -> np.ndarray:
     from safetensors.numpy import load_file
 
-    return load_file(str(path))["kv"].view(np.float32)
+    from tiercache.tiers.format import TENSOR_NAME
+
+    return load_file(str(path))[TENSOR_NAME].view(np.float32)
 
 
 def test_corrupt_disk_objects_are_recomputed_never_wrong(first_engine, model, workdir, reference):
@@ -248,8 +252,7 @@ def test_a_corrupt_block_mid_prefix_is_recomputed_from_there_never_wrong(
     first (checked before the load is reported done)."""
     disk = workdir / f"disk-mid-prefix-{'forward' if in_forward else 'staged'}"
     shutil.copytree(workdir / "disk-a", disk)
-    (victim,) = disk.rglob(f"{p1_block_hashes()[4].hex()}.safetensors")
-    corrupt(victim)
+    corrupt(object_of(disk, p1_block_hashes()[4]))
     out = engine(
         model,
         workdir,

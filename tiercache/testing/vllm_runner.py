@@ -116,8 +116,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 for entry, out in zip(prompt["batch"], outs, strict=True)
             )
             if spec.get("counters"):
+                counters = _counters(llm, spec["counters"])  # the engine's, after the whole batch
                 for result in results[-len(outs) :]:
-                    result["counters"] = _counters(llm, spec["counters"])
+                    result["counters"] = counters
             continue
         if "ids" not in prompt:
             _control(prompt)  # a fault-injection test's hook between prompts
