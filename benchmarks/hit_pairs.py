@@ -14,6 +14,9 @@ reservation:
                  vLLM's prefix cache reset; a CPU-tier hit while the prompt's own
                  write-through to disk and S3 still runs ("in flight"); a pause until
                  it is quiet; then rounds of [prefix-cache hit; reset; CPU-tier hit].
+                 --inflight-repeats prompts a length get the in-flight hit, the first
+                 --repeats of them the rounds too: one in-flight hit a prompt, so the
+                 in-flight median needs more prompts than the paired ratios do.
   example        vLLM's ExampleConnector (safetensors files, in the page cache):
                  cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
   tiercache_disk a fresh engine on the disk the tiercache engine left, its CPU tier
@@ -62,9 +65,14 @@ RESET = {"reset_prefix_cache": True}
 LOADED_BLOCKS = "vllm:tiercache_loaded_blocks"
 
 
-def prompts(lengths: list[int], repeats: int) -> dict[tuple[int, int], list[int]]:
+def prompts(lengths: list[int], repeats: int, first: int = 0) -> dict[tuple[int, int], list[int]]:
     # The seeds of e2e.py's TTFT prompts, so the two benchmarks ask the same prompts.
-    return {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(repeats)}
+    return {(n, r): prompt(1000 * n + r, n) for n in lengths for r in range(first, repeats)}
+
+
+def inflight_only(lengths: list[int], args: argparse.Namespace) -> dict[tuple[int, int], list[int]]:
+    """The prompts asked only for their in-flight hit, past the --repeats ones."""
+    return prompts(lengths, args.inflight_repeats, first=args.repeats)
 
 
 def warm_up(lengths: list[int], connector: bool) -> list[dict[str, Any]]:
@@ -141,9 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if tier not in args.write_through.split(","):
                 everything.pop(tier)
         items = warm_up(lengths, connector=True)
-        for key, ids in asks.items():
+        every = sorted({**asks, **inflight_only(lengths, args)}.items())  # by length, then prompt
+        for key, ids in every:
             items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
-            for i in range(args.rounds):
+            for i in range(args.rounds if key in asks else 0):
                 items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
         runner.run("tiercache", items, kv_transfer_config=tiercache_kv(everything), counters=LOADED_BLOCKS)
 
@@ -242,6 +251,7 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
     out: dict[str, Any] = {}
     for n in sorted({k[0] for k in asks}):
         keys = [k for k in asks if k[0] == n]
+        inflight_keys = keys + list(inflight_only([n], args))
 
         def times(engine: str, label: str, with_rounds: bool = True, keys=keys) -> list[float]:
             return [ttft(sample(engine, label, k, i)) for k, i in pairs(keys, with_rounds)]
@@ -258,7 +268,8 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
             "prefix_cache_ms": 1000 * pc_floor,
             "tiercache_pc_ms": 1000 * median(times("tiercache", "pc")),
             "cpu_ms": 1000 * median(times("tiercache", "cpu")),
-            "inflight_ms": 1000 * median(times("tiercache", "inflight", False)),
+            "inflight_ms": 1000 * median(times("tiercache", "inflight", False, inflight_keys)),
+            "inflight_hits": len(inflight_keys),
             "example_ms": 1000 * median(times("example", "example")),
             "example_pc_ms": 1000 * median(times("example", "pc")),
             "disk_ms": 1000 * median(times("tiercache_disk", "disk")),
@@ -300,6 +311,7 @@ TABLE = [
     ("prefix-cache hit, tiercache engine", "tiercache_pc_ms", "{:.0f}"),
     ("tiercache CPU hit, quiet", "cpu_ms", "{:.0f}"),
     ("tiercache CPU hit, write-through in flight", "inflight_ms", "{:.0f}"),
+    ("in-flight hits (one a prompt)", "inflight_hits", "{}"),
     ("ExampleConnector hit", "example_ms", "{:.0f}"),
     ("tiercache disk hit, fresh engine", "disk_ms", "{:.0f}"),
     ("prefix-cache hit after it", "disk_pc_ms", "{:.0f}"),
@@ -333,6 +345,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="1000,2000,4000")
     parser.add_argument("--repeats", type=int, default=3, help="distinct prompts per length")
     parser.add_argument("--rounds", type=int, default=3, help="hit pairs per prompt")
+    parser.add_argument(
+        "--inflight-repeats", type=int, default=6, help="prompts per length whose in-flight hit is measured"
+    )
     parser.add_argument("--quiet-seconds", type=float, default=8.0, help="pause after the in-flight hit")
     parser.add_argument("--cpu-capacity", default="4GiB")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
