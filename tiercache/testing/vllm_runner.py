@@ -185,13 +185,18 @@ def _counters(llm, name: str) -> dict[str, float]:
 
 def _metrics(out) -> dict[str, float] | None:
     """vLLM's own per-request timings (only with log_stats): seconds from arrival to
-    the first token, and from the first to the last token."""
+    the first token, and from the first to the last token; and, on the engine core's
+    clock, from the request's queueing and from its first scheduling to its first
+    token leaving the engine core (the rest of first_token_latency is the trip from the
+    front end and back)."""
     stats = getattr(out, "metrics", None)
     if stats is None or not getattr(stats, "first_token_ts", 0):
         return None
     return {
         "first_token_latency": float(stats.first_token_latency),
         "decode_seconds": float(stats.last_token_ts - stats.first_token_ts),
+        "queued_to_first_token": float(stats.first_token_ts - stats.queued_ts),
+        "scheduled_to_first_token": float(stats.first_token_ts - stats.scheduled_ts),
     }
 
 
