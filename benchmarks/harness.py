@@ -279,6 +279,17 @@ class EngineRunner:
         self.monitor.stop()
 
 
+def engine_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
+    """The options of a benchmark that runs one-length engines against the store
+    services: CPU tier size, vLLM's KV fraction, the cores vLLM reserves, the work
+    folder, and the S3 endpoint (store_services)."""
+    parser.add_argument("--cpu-capacity", default="4GiB")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
+    parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
+    parser.add_argument("--workdir", default=workdir)
+    parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+
+
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's CPU backend keeps cores for its scheduler process: one without a KV
     connector, one more with any connector (meant for NIXL). On a 2-core machine that

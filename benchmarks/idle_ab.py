@@ -13,6 +13,7 @@ from typing import Any
 
 from harness import (
     EngineRunner,
+    engine_arguments,
     engine_env,
     engine_spec,
     machine,
@@ -42,11 +43,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1000)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--pause", type=float, default=8.0)
-    parser.add_argument("--cpu-capacity", default="4GiB")
-    parser.add_argument("--kv-fraction", type=float, default=0.25)
-    parser.add_argument("--reserved-cpus", type=int, default=1)
-    parser.add_argument("--workdir", default="/tmp/tiercache-bench-idle")
-    parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+    engine_arguments(parser, "/tmp/tiercache-bench-idle")
     parser.add_argument("--name", default="idle-ab")
     args = parser.parse_args()
     work = Path(args.workdir).resolve()

@@ -20,6 +20,7 @@ from typing import Any
 
 from harness import (
     EngineRunner,
+    engine_arguments,
     engine_env,
     engine_spec,
     machine,
@@ -59,11 +60,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--order", default="off,on", help="yield_to_loads per engine, in run order")
     parser.add_argument("--quiet-seconds", type=float, default=8.0)
-    parser.add_argument("--cpu-capacity", default="4GiB")
-    parser.add_argument("--kv-fraction", type=float, default=0.25)
-    parser.add_argument("--reserved-cpus", type=int, default=1)
-    parser.add_argument("--workdir", default="/tmp/tiercache-bench-inflight")
-    parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+    engine_arguments(parser, "/tmp/tiercache-bench-inflight")
     parser.add_argument(
         "--load-in-forward",
         default="on",
