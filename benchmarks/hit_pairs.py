@@ -371,6 +371,10 @@ def main() -> None:
     )
     parser.add_argument("--name", default="hit-pairs")
     args = parser.parse_args()
+    if args.inflight_repeats < args.repeats:
+        parser.error(
+            "--inflight-repeats must be at least --repeats: each prompt of the rounds is asked in flight"
+        )
     data: dict[str, Any] = {"engines": run(args), "machine": machine(), "args": vars(args)}
     save(args.name, data)  # kept even if a check below fails
     lengths = [int(x) for x in args.lengths.split(",")]
