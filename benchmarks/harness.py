@@ -280,14 +280,20 @@ class EngineRunner:
 
 
 def engine_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
-    """The options of a benchmark that runs one-length engines against the store
-    services: CPU tier size, vLLM's KV fraction, the cores vLLM reserves, the work
-    folder, and the S3 endpoint (store_services)."""
+    """The options of a benchmark that runs engines against the store services: CPU
+    tier size, vLLM's KV fraction, the cores vLLM reserves, the work folder, and the S3
+    endpoint (store_services)."""
     parser.add_argument("--cpu-capacity", default="4GiB")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     parser.add_argument("--workdir", default=workdir)
-    parser.add_argument("--s3-server", default="sink", choices=["moto", "sink"])
+    parser.add_argument(
+        "--s3-server",
+        default="sink",
+        choices=["moto", "sink"],
+        help="what tiercache engines write through to: a sink that discards the bodies "
+        "(a remote endpoint's cost stays off this host; the default) or moto",
+    )
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:

@@ -47,6 +47,7 @@ from harness import (
     LOGPROB_TOLERANCE,
     NAMESPACE,
     EngineRunner,
+    engine_arguments,
     engine_env,
     engine_spec,
     logprob_gap,
@@ -349,17 +350,7 @@ def main() -> None:
         "--inflight-repeats", type=int, default=6, help="prompts per length whose in-flight hit is measured"
     )
     parser.add_argument("--quiet-seconds", type=float, default=8.0, help="pause after the in-flight hit")
-    parser.add_argument("--cpu-capacity", default="4GiB")
-    parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
-    parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
-    parser.add_argument("--workdir", default="/tmp/tiercache-bench-pairs")
-    parser.add_argument(
-        "--s3-server",
-        default="sink",
-        choices=["moto", "sink"],
-        help="what the tiercache engine writes through to: a sink that discards the bodies "
-        "(a remote endpoint's cost stays off this host; the default) or moto",
-    )
+    engine_arguments(parser, "/tmp/tiercache-bench-pairs")
     parser.add_argument(
         "--kv-bytes-per-token", type=int, default=64 << 10, help="the benchmark model's KV (harness.MODEL)"
     )

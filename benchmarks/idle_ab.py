@@ -24,7 +24,7 @@ from harness import (
     store_services,
     ttft,
 )
-from hit_pairs import tiercache_kv
+from hit_pairs import by_name, tiercache_kv
 
 
 def items_for(asks: list[list[int]], length: int, pause: float) -> list[dict[str, Any]]:
@@ -67,7 +67,7 @@ def main() -> None:
     runner.stop()
     summary = {}
     for engine, data in runner.engines.items():
-        by = {r["name"]: r for r in data["results"]}
+        by = by_name(data)
         summary[engine] = {
             label: [1000 * ttft(by[f"{label}/{i}"]) for i in range(args.prompts)]
             for label in ("at_once", "after_pause", "again")
