@@ -44,6 +44,10 @@ class TierCacheMetadata(KVConnectorMetadata):
     # Tokens this step computes, set only when some of them are prompt tokens: the
     # workers time its forward, which is what a skipped load costs (cost_model.py).
     timed_tokens: int = 0
+    # The step's synchronous loads may start as soon as the worker is handed the step,
+    # before vLLM prepares its inputs: vLLM neither zeroes nor copies any paged-KV block
+    # while it does so this step (it would overwrite a hit copied in early).
+    loads_early: bool = False
 
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank

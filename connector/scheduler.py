@@ -77,6 +77,16 @@ class _Request:
     next_block: int = 0  # blocks before this one are cached or planned
 
 
+def _touches_blocks_before_forward(scheduler_output: SchedulerOutput) -> bool:
+    """Whether vLLM writes paged-KV blocks while it prepares this step's inputs: it
+    zeroes new blocks for models with Mamba layers or a mixed-precision KV cache, and
+    copies shared blocks' tails for partial prefix-cache hits (copy-on-write). Either
+    would land over a hit copied in before it."""
+    zeroed = getattr(scheduler_output, "new_block_ids_to_zero", None)
+    copied = getattr(scheduler_output, "kv_cache_block_copies", None)
+    return bool(zeroed or copied)
+
+
 def slot_bytes_for(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
     copier lays them out)."""
@@ -414,6 +424,7 @@ class TierCacheScheduler:
             loads=self._pending_loads,
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            loads_early=not _touches_blocks_before_forward(scheduler_output),
         )
         if self.cost is not None and self._computes_prompt(scheduler_output):
             meta.timed_tokens = scheduler_output.total_num_scheduled_tokens

@@ -127,6 +127,9 @@ class TierCacheWorker:
         self._saving: StreamLayerwiseSave | None = None
         # The metadata of the step whose write-backs have been taken (see _begin_step).
         self._begun: TierCacheMetadata | None = None
+        # The metadata of the step whose synchronous loads have started (step_arrives or
+        # start_load_kv, whichever came first).
+        self._loads_started: TierCacheMetadata | None = None
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
@@ -228,7 +231,12 @@ class TierCacheWorker:
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs. A step that
         loads hits holds the movers from here; any other step ends the hold a step
-        before it left lingering (that step's token has been handed on by now)."""
+        before it left lingering (that step's token has been handed on by now).
+
+        On the CPU backend the step's CPU-tier hits start copying here too, layer by
+        layer on the helper thread, while vLLM prepares the inputs on the model's core
+        (about 2 ms, of which the helper gets about 1): less of the copy then shares the
+        memory bus with the forward (docs/benchmarks-e2e.md, "Runs 27 to 29")."""
         self._arrived = meta
         if self.engine is None:
             return
@@ -236,6 +244,18 @@ class TierCacheWorker:
             self.engine.foreground.hold()
         else:
             self.engine.foreground.release()
+        if meta.loads_early and self._layer_helper is not None and self._layerwise_ready():
+            self._begin_step(meta)
+            self._start_sync_loads(meta)
+
+    def _start_sync_loads(self, meta: TierCacheMetadata) -> None:
+        """The step's synchronous loads, once per step from whichever hook comes first."""
+        if meta is self._loads_started:
+            return
+        self._loads_started = meta
+        cpu_hits = [job for job in meta.loads if not job.is_async]
+        if cpu_hits:
+            self._load_cpu_hits(cpu_hits)
 
     def forward_begins(self, meta: TierCacheMetadata) -> None:
         """vLLM bound this step's metadata: its forward starts now."""
@@ -261,14 +281,10 @@ class TierCacheWorker:
             self._fail_all(meta)
             return
         self._begin_step(meta)
-        cpu_hits: list[LoadJob] = []
         for job in meta.loads:
             if job.is_async:
                 self._async.append(self._stage(job))
-            else:
-                cpu_hits.append(job)
-        if cpu_hits:
-            self._load_cpu_hits(cpu_hits)
+        self._start_sync_loads(meta)
         self._poll_async()
 
     def _stage(self, job: LoadJob) -> _AsyncLoad:

@@ -188,6 +188,26 @@ def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
     assert not any(sched.slots._pins.get(op.slot) for op in job.ops)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [(None, None), ("new_block_ids_to_zero", [20]), ("kv_cache_block_copies", [(3, 20)])],
+    ids=["plain step", "vllm zeroes new blocks", "vllm copies a shared tail"],
+)
+def test_a_cpu_hit_may_start_copying_early_only_where_vllm_writes_no_block_first(field, value):
+    sched = make_scheduler()
+    meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
+    report(sched, *[filled(op) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores])
+    hit = request("r2", 2)
+    assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
+    sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
+    step = scheduler_output()
+    if field is not None:
+        setattr(step, field, value)
+    load_meta = sched.build_connector_meta(step)
+    assert len(load_meta.loads) == 1
+    assert load_meta.loads_early is (field is None)
+
+
 def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     sched = make_scheduler(disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     meta = store_prompt(sched, request("r1", 2), [5, 6, 7])

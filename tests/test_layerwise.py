@@ -158,6 +158,46 @@ def test_worker_goes_layerwise_only_after_a_step_showed_every_layer_waited_for(c
         worker.shutdown()
 
 
+def hit_in_place(kv, blocks, want, timeout: float = 5.0) -> bool:
+    """Whether every layer of `blocks` holds `want` within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(torch.equal(kv[n][blocks], want[n]) for n in LAYERS):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize(
+    "early", [True, False], ids=["vllm writes no block first", "vllm zeroes or copies blocks"]
+)
+def test_a_cpu_hit_starts_copying_when_the_step_arrives_where_nothing_overwrites_it(copy_path, early):
+    """On the CPU backend the copy runs while vLLM prepares the step's inputs (between
+    handle_preemptions and start_load_kv), unless vLLM writes paged blocks meanwhile;
+    either way it is loaded once and its slots released once."""
+    kv = paged_kv()
+    worker = make_worker(kv)
+    worker.copier.to_slots([0, 1], [3, 4], worker.buffer)
+    want = {name: t[[0, 1]].clone() for name, t in kv.items()}
+    try:
+        forward(worker, empty_step(), LAYERS)  # the layer order, learnt
+        meta = cpu_hit([3, 4], [12, 13])
+        meta.loads_early = early
+        worker.step_arrives(meta)
+        if early and copy_path.startswith("threads"):
+            assert hit_in_place(kv, [12, 13], want)  # before start_load_kv
+        else:
+            # Or CUDA's twin: copies on the copy stream, never ahead of the step's own.
+            assert not hit_in_place(kv, [12, 13], want, timeout=0.3)
+        worker.forward_begins(meta)
+        forward(worker, meta, LAYERS)
+        assert all(torch.equal(kv[n][[12, 13]], want[n]) for n in LAYERS)
+        events = worker.take_worker_meta().counts()
+        assert events[(RELEASED, 3)] == 1 and events[(RELEASED, 4)] == 1
+    finally:
+        worker.shutdown()
+
+
 def test_a_lost_block_in_a_layerwise_hit_is_reported_and_the_rest_loaded():
     kv = paged_kv()
     worker = make_worker(kv)
