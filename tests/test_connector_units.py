@@ -171,13 +171,19 @@ def test_full_prompt_hit_leaves_the_last_token_to_compute():
     assert sched.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, False)
 
 
-def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
-    sched = make_scheduler()
+def plan_cpu_hit(sched) -> None:
+    """r1's two blocks stored in the CPU tier, then r2 asking for them: vLLM allocated
+    paged blocks 20-22 for r2, and the next step loads its hit into 20 and 21."""
     meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
     report(sched, *[filled(op) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores])
     hit = request("r2", 2)
     assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
     sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
+
+
+def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
+    sched = make_scheduler()
+    plan_cpu_hit(sched)
     load_meta = sched.build_connector_meta(scheduler_output())
     (job,) = load_meta.loads
     assert not job.is_async and [op.gpu_block for op in job.ops] == [20, 21]
@@ -195,11 +201,7 @@ def test_cpu_hit_is_a_sync_load_that_pins_and_releases_slots():
 )
 def test_a_cpu_hit_may_start_copying_early_only_where_vllm_writes_no_block_first(field, value):
     sched = make_scheduler()
-    meta = store_prompt(sched, request("r1", 2), [5, 6, 7])
-    report(sched, *[filled(op) for op in meta.stores], *[(RELEASED, op.slot) for op in meta.stores])
-    hit = request("r2", 2)
-    assert sched.get_num_new_matched_tokens(hit, 0) == (2 * BLOCK, False)
-    sched.update_state_after_alloc(hit, blocks_of([20, 21, 22]), 2 * BLOCK)
+    plan_cpu_hit(sched)
     step = scheduler_output()
     if field is not None:
         setattr(step, field, value)
