@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from pathlib import Path
 from typing import Any
 
-from harness import BLOCK, EngineRunner, engine_env, engine_spec, machine, median, prompt, request, save, ttft
+from harness import BLOCK, engine_runner, machine, median, prompt, request, save, ttft
 from hit_pairs import LOADED_BLOCKS, RESET, by_name, hit_problems, tiercache_kv, warm_up
 
 
@@ -41,9 +40,7 @@ def main() -> None:
 
     lengths = [int(x) for x in args.lengths.split(",")]
     asks = {(n, i): prompt(60_000 + 1000 * n + i, n) for n in lengths for i in range(args.prompts)}
-    work = Path(args.workdir).resolve()
-    spec = engine_spec(work, max(lengths) + 64, args.kv_fraction)
-    runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+    work, runner = engine_runner(args, max(lengths))
     disk = work / "disk"
     shutil.rmtree(disk, ignore_errors=True)
     filler = {

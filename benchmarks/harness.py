@@ -296,6 +296,15 @@ def engine_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
     )
 
 
+def engine_runner(args: argparse.Namespace, longest_prompt: int) -> tuple[Path, EngineRunner]:
+    """The work folder (`--workdir`) and a runner whose engines take prompts of up to
+    `longest_prompt` tokens, with engine_env's core reservation; partial results are
+    kept in the work folder."""
+    work = Path(args.workdir).resolve()
+    spec = engine_spec(work, longest_prompt + 64, args.kv_fraction)
+    return work, EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+
+
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's CPU backend keeps cores for its scheduler process: one without a KV
     connector, one more with any connector (meant for NIXL). On a 2-core machine that

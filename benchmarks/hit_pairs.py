@@ -39,17 +39,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 from harness import (
     BLOCK,
     LOGPROB_TOLERANCE,
     NAMESPACE,
-    EngineRunner,
     engine_arguments,
-    engine_env,
-    engine_spec,
+    engine_runner,
     logprob_gap,
     machine,
     median,
@@ -105,9 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every engine's results, by engine name."""
     lengths = [int(x) for x in args.lengths.split(",")]
     asks = prompts(lengths, args.repeats)
-    work = Path(args.workdir).resolve()
-    spec = engine_spec(work, max(lengths) + 64, args.kv_fraction)
-    runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+    work, runner = engine_runner(args, max(lengths))
     quiet = {"sleep": args.quiet_seconds}
 
     items: list[dict[str, Any]] = warm_up(lengths, connector=False)

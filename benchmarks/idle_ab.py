@@ -8,14 +8,11 @@ a prefix-cache hit after a pause pays for the pause, and whether tiercache adds 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from harness import (
-    EngineRunner,
     engine_arguments,
-    engine_env,
-    engine_spec,
+    engine_runner,
     machine,
     median,
     prompt,
@@ -46,13 +43,7 @@ def main() -> None:
     engine_arguments(parser, "/tmp/tiercache-bench-idle")
     parser.add_argument("--name", default="idle-ab")
     args = parser.parse_args()
-    work = Path(args.workdir).resolve()
-    runner = EngineRunner(
-        engine_spec(work, args.length + 64, args.kv_fraction),
-        work / "runs",
-        engine_env(args),
-        work / "partial.json",
-    )
+    work, runner = engine_runner(args, args.length)
     asks = [prompt(60_000 + i, args.length) for i in range(args.prompts)]
     items = items_for(asks, args.length, args.pause)
     with store_services(args) as (redis_server, s3_url):

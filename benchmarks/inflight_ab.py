@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from pathlib import Path
 from typing import Any
 
 from harness import (
-    EngineRunner,
     engine_arguments,
-    engine_env,
-    engine_spec,
+    engine_runner,
     machine,
     median,
     prompt,
@@ -70,9 +67,7 @@ def main() -> None:
     parser.add_argument("--name", default="inflight-ab")
     args = parser.parse_args()
 
-    work = Path(args.workdir).resolve()
-    spec = engine_spec(work, args.length + 64, args.kv_fraction)
-    runner = EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
+    work, runner = engine_runner(args, args.length)
     asks = [prompt(50_000 + i, args.length) for i in range(args.prompts)]
     summary: dict[str, Any] = {}
     problems: list[str] = []
