@@ -17,6 +17,10 @@ reservation:
                  --inflight-repeats prompts a length get the in-flight hit, the first
                  --repeats of them the rounds too: one in-flight hit a prompt, so the
                  in-flight median needs more prompts than the paired ratios do.
+                 Between them, --inflight-pc-repeats other prompts are asked cold and
+                 then at once again without the reset: vLLM's prefix-cache hit in the
+                 in-flight hit's place (right after its prompt's cold run, the
+                 write-through running), the floor to hold the in-flight hit to.
   example        vLLM's ExampleConnector (safetensors files, in the page cache):
                  cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
   tiercache_disk a fresh engine on the disk the tiercache engine left, its CPU tier
@@ -71,6 +75,27 @@ def prompts(lengths: list[int], repeats: int, first: int = 0) -> dict[tuple[int,
 def inflight_only(lengths: list[int], args: argparse.Namespace) -> dict[tuple[int, int], list[int]]:
     """The prompts asked only for their in-flight hit, past the --repeats ones."""
     return prompts(lengths, args.inflight_repeats, first=args.repeats)
+
+
+def inflight_pc_only(lengths: list[int], args: argparse.Namespace) -> dict[tuple[int, int], list[int]]:
+    """The prompts whose prefix-cache hit is asked in flight, past the in-flight ones."""
+    return prompts(lengths, args.inflight_repeats + args.inflight_pc_repeats, first=args.inflight_repeats)
+
+
+Ask = tuple[str, tuple[int, int], list[int]]  # label, (length, prompt number), token ids
+
+
+def in_flight_order(lengths: list[int], args: argparse.Namespace) -> list[Ask]:
+    """Each length's in-flight asks (label, key, prompt), the CPU hits and the
+    prefix-cache hits taking turns, so that the machine's drift over the run falls on
+    both alike."""
+    order: list[Ask] = []
+    for n in lengths:
+        cpu = [("inflight", *ask) for ask in prompts([n], args.inflight_repeats).items()]
+        pc = [("pc_inflight", *ask) for ask in inflight_pc_only([n], args).items()]
+        for i in range(max(len(cpu), len(pc))):
+            order += cpu[i : i + 1] + pc[i : i + 1]
+    return order
 
 
 def warm_up(lengths: list[int], connector: bool) -> list[dict[str, Any]]:
@@ -145,8 +170,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if tier not in args.write_through.split(","):
                 everything.pop(tier)
         items = warm_up(lengths, connector=True)
-        every = sorted({**asks, **inflight_only(lengths, args)}.items())  # by length, then prompt
-        for key, ids in every:
+        for label, key, ids in in_flight_order(lengths, args):
+            if label == "pc_inflight":
+                items += [request(name("cold", key), ids), request(name(label, key), ids), quiet]
+                continue
             items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
             for i in range(args.rounds if key in asks else 0):
                 items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
@@ -238,6 +265,8 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
         cold = colds[engine if engine != "tiercache_disk" else "tiercache"][name("cold", key)]
         tier = {"disk": "disk", "cpu": "cpu", "inflight": "cpu"}.get(label)
         found = hit_problems(r, cold, key[0], tier, hit=label != "cold")
+        if label == "pc_inflight" and any(r.get("loaded", {}).values()):
+            found.append(f"{r['name']}: loaded {r['loaded']} from tiercache, want a prefix-cache hit")
         problems.extend(f"{engine} {problem}" for problem in found)
         return r
 
@@ -292,6 +321,13 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
         # Not paired with the prefix-cache hit right after it: the writes the in-flight
         # hit kept back (tiercache/foreground.py) run during that one.
         row["inflight_over_pc_same_engine"] = row["inflight_ms"] / row["tiercache_pc_ms"]
+        pc_inflight_keys = list(inflight_pc_only([n], args))
+        if pc_inflight_keys:
+            # vLLM's own hit in the in-flight hit's place: what that place costs any hit.
+            row["pc_inflight_ms"] = 1000 * median(times("tiercache", "pc_inflight", False, pc_inflight_keys))
+            row["pc_inflight_hits"] = len(pc_inflight_keys)
+            row["inflight_over_pc_inflight"] = row["inflight_ms"] / row["pc_inflight_ms"]
+            row["pc_inflight_over_pc_same_engine"] = row["pc_inflight_ms"] / row["tiercache_pc_ms"]
         row["cpu_over_example"] = row["cpu_ms"] / row["example_ms"]
         row["cpu_over_example_paired"] = row["cpu_over_pc_paired"] / row["example_over_pc_paired"]
         out[str(n)] = row
@@ -308,6 +344,8 @@ TABLE = [
     ("tiercache CPU hit, quiet", "cpu_ms", "{:.0f}"),
     ("tiercache CPU hit, write-through in flight", "inflight_ms", "{:.0f}"),
     ("in-flight hits (one a prompt)", "inflight_hits", "{}"),
+    ("prefix-cache hit in the in-flight hit's place", "pc_inflight_ms", "{:.0f}"),
+    ("such prefix-cache hits (one a prompt)", "pc_inflight_hits", "{}"),
     ("ExampleConnector hit", "example_ms", "{:.0f}"),
     ("tiercache disk hit, fresh engine", "disk_ms", "{:.0f}"),
     ("prefix-cache hit after it", "disk_pc_ms", "{:.0f}"),
@@ -315,6 +353,8 @@ TABLE = [
     ("CPU hit / prefix-cache floor", "cpu_over_pc_floor", "{:.3f}x"),
     ("in-flight CPU hit / prefix-cache floor", "inflight_over_pc_floor", "{:.3f}x"),
     ("in-flight CPU hit / prefix-cache hit, same engine", "inflight_over_pc_same_engine", "{:.3f}x"),
+    ("in-flight CPU hit / prefix-cache hit in its place", "inflight_over_pc_inflight", "{:.3f}x"),
+    ("prefix-cache hit in that place / later ones", "pc_inflight_over_pc_same_engine", "{:.3f}x"),
     ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired", "{:.3f}x"),
     ("CPU hit / ExampleConnector hit", "cpu_over_example", "{:.3f}x"),
     ("disk hit / prefix-cache hit, paired", "disk_over_pc_paired", "{:.3f}x"),
@@ -331,7 +371,8 @@ def show(summary: dict[str, Any]) -> None:
     print("| run (ms) | " + " | ".join(lengths) + " |")
     print("|---|" + "---:|" * len(lengths))
     for label, key, form in TABLE:
-        print(f"| {label} | " + " | ".join(form.format(summary[n][key]) for n in lengths) + " |")
+        if all(key in summary[n] for n in lengths):
+            print(f"| {label} | " + " | ".join(form.format(summary[n][key]) for n in lengths) + " |")
 
 
 def main() -> None:
@@ -343,6 +384,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="hit pairs per prompt")
     parser.add_argument(
         "--inflight-repeats", type=int, default=6, help="prompts per length whose in-flight hit is measured"
+    )
+    parser.add_argument(
+        "--inflight-pc-repeats",
+        type=int,
+        default=6,
+        help="prompts per length whose prefix-cache hit is asked in the in-flight hit's place",
     )
     parser.add_argument("--quiet-seconds", type=float, default=8.0, help="pause after the in-flight hit")
     engine_arguments(parser, "/tmp/tiercache-bench-pairs")
