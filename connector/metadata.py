@@ -48,6 +48,10 @@ class TierCacheMetadata(KVConnectorMetadata):
     # before vLLM prepares its inputs: vLLM neither zeroes nor copies any paged-KV block
     # while it does so this step (it would overwrite a hit copied in early).
     loads_early: bool = False
+    # A request starts this step over blocks vLLM's own prefix cache holds: a short
+    # forward whose time to first token the write-down would slow as much as a
+    # tiercache hit's, so the worker holds the write-down for it too (foreground.py).
+    reuses_prefix: bool = False
 
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank

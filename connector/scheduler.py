@@ -87,6 +87,12 @@ def _touches_blocks_before_forward(scheduler_output: SchedulerOutput) -> bool:
     return bool(zeroed or copied)
 
 
+def _starts_over_cached_blocks(scheduler_output: SchedulerOutput) -> bool:
+    """Whether a request is scheduled for the first time over blocks already computed:
+    vLLM's prefix-cache hit (or tiercache's, which the step's loads cover anyway)."""
+    return any(new.num_computed_tokens > 0 for new in scheduler_output.scheduled_new_reqs)
+
+
 def slot_bytes_for(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
     copier lays them out)."""
@@ -425,6 +431,7 @@ class TierCacheScheduler:
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             loads_early=not _touches_blocks_before_forward(scheduler_output),
+            reuses_prefix=_starts_over_cached_blocks(scheduler_output),
         )
         if self.cost is not None and self._computes_prompt(scheduler_output):
             meta.timed_tokens = scheduler_output.total_num_scheduled_tokens

@@ -38,12 +38,12 @@ _PLAIN_COUNTERS = {
     ),
     "vllm:tiercache_write_holds": (
         "write_holds",
-        "Holds of the write-down to disk and S3 for steps loading tiercache hits (movers.yield_to_loads; "
-        "steps back to back share one)",
+        "Holds of the write-down to disk and S3 for steps serving hits, tiercache's or vLLM's prefix "
+        "cache's (movers.yield_to_loads; steps back to back share one)",
     ),
     "vllm:tiercache_write_holds_refused": (
         "write_holds_refused",
-        "Steps loading tiercache hits that did not hold the write-down back: holds had taken their share",
+        "Steps serving hits that did not hold the write-down back: holds had taken their share",
     ),
 }
 # The scheduler's cost-model decisions (cost_model.py), one per request and tier.

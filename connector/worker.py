@@ -230,8 +230,9 @@ class TierCacheWorker:
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs. A step that
-        loads hits holds the movers from here; any other step ends the hold a step
-        before it left lingering (that step's token has been handed on by now).
+        serves a hit (`_holds_for`) holds the movers from here; any other step ends the
+        hold a step before it left lingering (that step's token has been handed on by
+        now).
 
         On the CPU backend the step's CPU-tier hits start copying here too, layer by
         layer on the helper thread, while vLLM prepares the inputs on the model's core
@@ -267,13 +268,17 @@ class TierCacheWorker:
             self.engine.foreground.hold()
 
     def _holds_for(self, meta: TierCacheMetadata) -> bool:
-        """Whether this step's forward copies hits into the paged KV (this step's CPU
-        hits, or staged hits reported at the end of the last step) on the CPU backend:
-        then the movers' writes wait, off the memory bus it is bound by and off the
-        spare core its token goes through (foreground.py)."""
+        """Whether this step serves a hit on the CPU backend: its forward copies hits
+        into the paged KV (this step's CPU hits, or staged hits reported at the end of
+        the last step), or starts a request over vLLM's own prefix cache. Then the
+        movers' writes wait, off the memory bus the forward is bound by and off the
+        spare core its token goes through (foreground.py). A prefix-cache hit asked
+        while its prompt was still being written down took 1.21-1.26x the later ones
+        without the hold (docs/benchmarks-e2e.md, "Run 31")."""
         loads_hits = bool(self._layerwise) or any(not job.is_async for job in meta.loads)
         on_cpu_backend = self.copier is not None and not self.copier.on_cuda
-        return loads_hits and on_cpu_backend and self.config.movers.yield_to_loads
+        serves_hit = loads_hits or meta.reuses_prefix
+        return serves_hit and on_cpu_backend and self.config.movers.yield_to_loads
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle

@@ -176,6 +176,27 @@ def test_the_worker_holds_the_gate_for_a_step_that_loads_a_hit_and_only_then(tmp
         worker.shutdown()
 
 
+def test_the_worker_holds_the_gate_for_a_step_over_vllms_prefix_cache(tmp_path):
+    """A prefix-cache hit asked while its prompt is written down took 1.21-1.26x the
+    later ones without the hold (docs/benchmarks-e2e.md, "Run 31")."""
+    worker = cpu_backend_worker(tmp_path)
+    gate = worker.engine.foreground
+    gate.max_hold = 30.0
+    try:
+        hit = TierCacheMetadata(reuses_prefix=True)
+        worker.step_arrives(hit)
+        assert gate.held
+        worker.forward_begins(hit)
+        worker.start_load_kv(hit)
+        worker.wait_for_save(hit)
+        worker.get_finished()
+        worker.step_arrives(TierCacheMetadata())
+        assert not gate.held
+        assert worker.take_stats().data["write_holds"] == 1
+    finally:
+        worker.shutdown()
+
+
 def test_a_hold_ends_by_itself_the_output_grace_after_the_forward(tmp_path):
     """The step that loaded a hit was the last: no next step comes to end the hold."""
     worker = cpu_backend_worker(tmp_path)

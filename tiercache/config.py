@@ -190,9 +190,10 @@ class MoverConfig(_Strict):
         default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
     )
     shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
-    # CPU backend only: movers start no new block while a step that loads hits runs
-    # (tiercache/foreground.py). On since serving runs with it on and off served the
-    # same (docs/benchmarks-e2e.md, "The write-down gate under serving load").
+    # CPU backend only: movers start no new block while a step that serves a hit runs,
+    # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since
+    # serving runs with it on and off served the same (docs/benchmarks-e2e.md, "The
+    # write-down gate under serving load").
     yield_to_loads: bool = True
     upload_slot_share: float = Field(
         default=0.5,
