@@ -274,7 +274,7 @@ class TierCacheWorker:
         movers' writes wait, off the memory bus the forward is bound by and off the
         spare core its token goes through (foreground.py). A prefix-cache hit asked
         while its prompt was still being written down took 1.21-1.26x the later ones
-        without the hold (docs/benchmarks-e2e.md, "Runs 31 to 33")."""
+        without the hold (docs/benchmarks-e2e.md, "Runs 31 to 34")."""
         loads_hits = bool(self._layerwise) or any(not job.is_async for job in meta.loads)
         on_cpu_backend = self.copier is not None and not self.copier.on_cuda
         serves_hit = loads_hits or meta.reuses_prefix
