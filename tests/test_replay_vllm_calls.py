@@ -7,14 +7,16 @@ preemptions and aborts. Here the worker half replays them without vLLM, on CPU
 tensors in FlashAttention's and FlashInfer's GPU layouts, copied by the CPU backend's
 threads or by the CUDA path's kernels under Triton's interpreter; the forward checks,
 layer by layer, that every block it reads holds the KV of its block hash
-(tiercache/testing/replay.py). No GPU was lent to this work: the CUDA streams and
-events themselves are not exercised here."""
+(tiercache/testing/replay.py). On a lent GPU, scripts/gpu_replay.py runs the same
+replay on CUDA tensors, where the CUDA streams and events are exercised too."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.testing.replay import Replay, recorded_reports
 
-RECORDING = Path(__file__).parent / "data" / "connector_calls.json"
+ROOT = Path(__file__).resolve().parent.parent
+RECORDING = ROOT / "tests" / "data" / "connector_calls.json"
 # How vLLM's model runner ends every step, forward or not.
 STEP_END = [
     "wait_for_save",
@@ -159,3 +162,24 @@ def test_replay_fails_when_a_load_puts_the_wrong_bytes_in_a_block(recording, tie
                 break
     with pytest.raises(AssertionError, match="loaded from cpu.*does not hold its KV"):
         Replay(broken, "flash_attn", tiers).run()
+
+
+def test_the_gpu_replay_script_passes_on_the_cpu_backend(tmp_path):
+    """scripts/gpu_replay.py is what runs this replay on a lent GPU (with the stream
+    variants only CUDA has). Here it runs its CPU path end to end: both layouts read
+    every block as written, and both broken variants are caught."""
+    out = tmp_path / "replay.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_replay.py"), "--device", "cpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    for layout in ("flash_attn", "flashinfer"):
+        run = report["replays"][layout]
+        assert {key: run[key] for key in report["expected"]} == report["expected"]
+    assert set(report["broken"]) == {"loads after the forward", "swapped slots"}
+    assert all(not run["ok"] and "does not hold its KV" in run["error"] for run in report["broken"].values())

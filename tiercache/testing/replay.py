@@ -19,7 +19,17 @@ The worker's tiers are real (CPU slots, a disk folder, S3 and Redis as the calle
 gives them). Two things are pinned to the recording so that timing cannot make the
 replay differ from it: a disk or S3 staging completes no earlier than the step whose
 `get_finished` reported it in the recording (and the replay waits for it there), and
-each step's write-downs are flushed at its end (so a later hit finds its object)."""
+each step's write-downs are flushed at its end (so a later hit finds its object).
+
+On a CUDA device (`device="cuda"`) the KV lives on the GPU and the worker takes its
+CUDA path: pinned CPU slots, loads and stores queued on the copier's stream, events
+the forward's stream waits on. The forward's reads and writes are then kernels on the
+forward's stream too, and the check of each layer's reads is queued there, read back
+only when the step's forward is over: the host never waits in between, so a copy not
+ordered against the forward shows up as wrong KV, as it would in vLLM, instead of
+being hidden by a host synchronisation. `attention_cycles` adds that much GPU sleep
+to each layer's attention, between its reads and its writes, as a longer forward
+would: a store copied before the forward wrote its layer then copies stale KV."""
 
 from __future__ import annotations
 
@@ -127,6 +137,8 @@ class Replay:
         tiers: dict[str, Any],
         rank: str = "0",
         loads_after_forward: bool = False,
+        device: str = "cpu",
+        attention_cycles: int = 0,
     ):
         self.recording = recording
         self.calls = recording["workers"][rank]
@@ -134,6 +146,8 @@ class Replay:
         self.rank = int(rank)
         self.layout = layout
         self.loads_after_forward = loads_after_forward
+        self.device = torch.device(device)
+        self.attention_cycles = attention_cycles if self.device.type == "cuda" else 0
         header = recording["kv"]
         self.num_blocks = header["num_blocks"]
         if self.num_blocks in LAYOUTS[layout](0)[1:] + (2,):
@@ -141,7 +155,10 @@ class Replay:
         # The forward's order, as the recording's first full step shows it.
         self.layers = list(dict.fromkeys(c[1] for c in self.calls if c[0] == "wait_for_layer_load"))
         self.layer_number = {name: i for i, name in enumerate(self.layers)}
-        self.kv = {name: torch.zeros(LAYOUTS[layout](self.num_blocks)) for name in sorted(header["layers"])}
+        self.kv = {
+            name: torch.zeros(LAYOUTS[layout](self.num_blocks), device=self.device)
+            for name in sorted(header["layers"])
+        }
         self.blocks = {name: t.movedim(BLOCK_DIM[layout], 0) for name, t in self.kv.items()}
         slot_bytes = sum(t.numel() * t.element_size() for t in self.kv.values()) // self.num_blocks
         config = build_config(
@@ -178,35 +195,58 @@ class Replay:
             disk_share=config.disk.capacity if config.disk else 0,
         )
         self._contents: dict[tuple[int, int], torch.Tensor] = {}
+        # Per layer of the step's forward: what it read, and a device tensor saying
+        # which of those reads found the wrong KV (read back when the forward is over).
+        self._checks: list[tuple[int, str, list[tuple[int, int, str | None]], torch.Tensor]] = []
         self.result = ReplayResult()
 
     def _content(self, number: int, layer: int) -> torch.Tensor:
         key = (number, layer)
         if key not in self._contents:
-            self._contents[key] = content(number, layer, self.rank)
+            self._contents[key] = content(number, layer, self.rank).to(self.device)
         return self._contents[key]
 
     # -- the forward ----------------------------------------------------------------
     def _attention(self, step: dict[str, Any], name: str) -> None:
         """What an attention layer does with the paged KV: read what the step's requests
-        computed or loaded before, then write this step's new KV."""
+        computed or loaded before, then write this step's new KV. On CUDA, all of it
+        kernels on the forward's stream, the host going straight on."""
         layer = self.layer_number[name]
         blocks = self.blocks[name]
-        for gpu_block, number, tier in step["reads"]:
-            if not torch.equal(blocks[gpu_block], self._content(number, layer)):
-                source = f"loaded from {tier}" if tier else "computed earlier"
-                raise AssertionError(
-                    f"step {step['step']}, layer {name}: GPU block {gpu_block} ({source}, hash #{number}) "
-                    "does not hold its KV when the forward reads it"
-                )
-            self.result.reads_checked += 1
-            if tier:
-                self.result.loaded_reads_checked[tier] += 1
+        reads = step["reads"]
+        if reads:
+            index = torch.tensor([gpu_block for gpu_block, _, _ in reads], device=self.device)
+            expected = torch.stack([self._content(number, layer) for _, number, _ in reads])
+            wrong = (blocks.index_select(0, index) != expected).flatten(1).any(1)
+            self._checks.append((step["step"], name, reads, wrong))
+        if self.attention_cycles:
+            torch.cuda._sleep(self.attention_cycles)
         for gpu_block, number in step["writes"]:
             if number < 0:
                 blocks[gpu_block].fill_(PARTIAL)
             else:
                 blocks[gpu_block].copy_(self._content(number, layer))
+
+    def _check_reads(self) -> None:
+        """Read back the checks the forward queued, and fail on the first wrong read."""
+        checks, self._checks = self._checks, []
+        if not checks:
+            return
+        wrong_by_layer = torch.cat([wrong for *_, wrong in checks]).tolist()
+        at = 0
+        for step_number, name, reads, _ in checks:
+            found = wrong_by_layer[at : at + len(reads)]
+            for (gpu_block, number, tier), wrong in zip(reads, found, strict=True):
+                if wrong:
+                    source = f"loaded from {tier}" if tier else "computed earlier"
+                    raise AssertionError(
+                        f"step {step_number}, layer {name}: GPU block {gpu_block} ({source}, hash "
+                        f"#{number}) does not hold its KV when the forward reads it"
+                    )
+                self.result.reads_checked += 1
+                if tier:
+                    self.result.loaded_reads_checked[tier] += 1
+            at += len(reads)
 
     # -- the calls --------------------------------------------------------------------
     def run(self) -> ReplayResult:
@@ -250,6 +290,7 @@ class Replay:
                         deferred_start = False
                         self._start(meta, staging)
                     worker.wait_for_save(meta)
+                    self._check_reads()
                 elif name == "get_finished":
                     recorded = set(call[2] or ())
                     assert staging is not None, BOUND
@@ -282,6 +323,7 @@ class Replay:
                     worker.shutdown()
                 # handle_preemptions: recorded without its metadata, so the replay does not
                 # call step_arrives; forward_begins at "bind" decides on the write-down hold.
+            self._check_reads()
         finally:
             if self.result.calls["shutdown"] == 0:
                 worker.shutdown()
