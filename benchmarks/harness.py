@@ -91,7 +91,8 @@ def loadavg() -> float:
 class CpuMonitor:
     """Samples how busy the machine's CPUs are with work that is not this benchmark's
     (its own process tree: engines, servers), so timings taken while other jobs ran
-    on the machine can be told apart."""
+    on the machine can be told apart; and how much was read from storage, so a read
+    that missed the page cache can be told from one that hit it."""
 
     def __init__(self, interval: float = 0.1):
         import threading
@@ -100,7 +101,7 @@ class CpuMonitor:
 
         self.psutil = psutil
         self.interval = interval
-        self.samples: list[tuple[float, float, float]] = []  # (time, busy s, ours s)
+        self.samples: list[tuple[float, float, float, int]] = []  # (time, busy s, ours s, read KiB)
         self.tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -122,9 +123,18 @@ class CpuMonitor:
                 continue
         return total
 
+    @staticmethod
+    def _read_kib() -> int:
+        """KiB read from block devices since boot, by every process: page-cache hits
+        are not counted."""
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("pgpgin "):
+                return int(line.split()[1])
+        return 0
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._busy(), self._ours()))
+            self.samples.append((time.time(), self._busy(), self._ours(), self._read_kib()))
             self._stop.wait(self.interval)
 
     def foreign_cores(self, start: float, end: float, pad: float = 0.5) -> float:
@@ -133,8 +143,17 @@ class CpuMonitor:
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             return float("nan")
-        (t0, b0, o0), (t1, b1, o1) = inside[0], inside[-1]
+        (t0, b0, o0, _), (t1, b1, o1, _) = inside[0], inside[-1]
         return max(0.0, ((b1 - b0) - max(0.0, o1 - o0)) / (t1 - t0))
+
+    def storage_read_mib(self, start: float, end: float) -> float:
+        """MiB the machine read from storage between the last sample before `start`
+        and the first after `end` (a sampling interval either side)."""
+        before = [s for s in self.samples if s[0] <= start]
+        after = [s for s in self.samples if s[0] >= end]
+        if not before or not after:
+            return float("nan")
+        return (after[0][3] - before[-1][3]) / 1024
 
     def stop(self) -> None:
         self._stop.set()
@@ -261,6 +280,7 @@ class EngineRunner:
             if "started_at" in r:
                 until = r["started_at"] + r["seconds"]
                 r["foreign_cores"] = self.monitor.foreign_cores(r["started_at"], until)
+                r["storage_read_mib"] = self.monitor.storage_read_mib(r["started_at"], until)
         results = [r for r in out["results"] if r["name"] != "warm"]
         self.engines[name] = {
             "startup_seconds": out["startup_seconds"],
