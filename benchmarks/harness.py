@@ -92,7 +92,8 @@ class CpuMonitor:
     """Samples how busy the machine's CPUs are with work that is not this benchmark's
     (its own process tree: engines, servers), so timings taken while other jobs ran
     on the machine can be told apart; and how much was read from storage, so a read
-    that missed the page cache can be told from one that hit it."""
+    that missed the page cache can be told from one that hit it, and written to it,
+    as the kernel writes dirty pages back when it chooses."""
 
     def __init__(self, interval: float = 0.1):
         import threading
@@ -101,7 +102,8 @@ class CpuMonitor:
 
         self.psutil = psutil
         self.interval = interval
-        self.samples: list[tuple[float, float, float, int]] = []  # (time, busy s, ours s, read KiB)
+        # (time, busy s, ours s, KiB read from storage, KiB written to it)
+        self.samples: list[tuple[float, float, float, int, int]] = []
         self.tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -124,17 +126,19 @@ class CpuMonitor:
         return total
 
     @staticmethod
-    def _read_kib() -> int:
-        """KiB read from block devices since boot, by every process: page-cache hits
-        are not counted."""
+    def _storage_kib() -> tuple[int, int]:
+        """KiB read from and written to block devices since boot, by every process and
+        the kernel: page-cache hits are not counted, the kernel's writeback is."""
+        counts = dict.fromkeys(("pgpgin", "pgpgout"), 0)
         for line in Path("/proc/vmstat").read_text().splitlines():
-            if line.startswith("pgpgin "):
-                return int(line.split()[1])
-        return 0
+            key, _, value = line.partition(" ")
+            if key in counts:
+                counts[key] = int(value)
+        return counts["pgpgin"], counts["pgpgout"]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._busy(), self._ours(), self._read_kib()))
+            self.samples.append((time.time(), self._busy(), self._ours(), *self._storage_kib()))
             self._stop.wait(self.interval)
 
     def foreign_cores(self, start: float, end: float, pad: float = 0.5) -> float:
@@ -143,17 +147,17 @@ class CpuMonitor:
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             return float("nan")
-        (t0, b0, o0, _), (t1, b1, o1, _) = inside[0], inside[-1]
+        (t0, b0, o0, *_), (t1, b1, o1, *_) = inside[0], inside[-1]
         return max(0.0, ((b1 - b0) - max(0.0, o1 - o0)) / (t1 - t0))
 
-    def storage_read_mib(self, start: float, end: float) -> float:
-        """MiB the machine read from storage between the last sample before `start`
-        and the first after `end` (a sampling interval either side)."""
+    def storage_mib(self, start: float, end: float) -> tuple[float, float]:
+        """MiB the machine read from and wrote to storage between the last sample
+        before `start` and the first after `end` (a sampling interval either side)."""
         before = [s for s in self.samples if s[0] <= start]
         after = [s for s in self.samples if s[0] >= end]
         if not before or not after:
-            return float("nan")
-        return (after[0][3] - before[-1][3]) / 1024
+            return float("nan"), float("nan")
+        return (after[0][3] - before[-1][3]) / 1024, (after[0][4] - before[-1][4]) / 1024
 
     def stop(self) -> None:
         self._stop.set()
@@ -280,7 +284,8 @@ class EngineRunner:
             if "started_at" in r:
                 until = r["started_at"] + r["seconds"]
                 r["foreign_cores"] = self.monitor.foreign_cores(r["started_at"], until)
-                r["storage_read_mib"] = self.monitor.storage_read_mib(r["started_at"], until)
+                read, written = self.monitor.storage_mib(r["started_at"], until)
+                r["storage_read_mib"], r["storage_written_mib"] = read, written
         results = [r for r in out["results"] if r["name"] != "warm"]
         self.engines[name] = {
             "startup_seconds": out["startup_seconds"],

@@ -16,7 +16,9 @@ each broken variant fails, which shows that the check sees what it is there to s
   forward not waiting       the forward's stream no longer waits for a layer's load
                             (and the copy stream is held back a little)
 
-The last two exist on CUDA only. Needs torch, Triton, a CUDA GPU, redis-server (on
+The last two exist on CUDA only. It also counts the host synchronisations inside the
+worker's per-layer hooks (`wait_for_layer_load`, `save_kv_layer`), which should be
+none: each would hold vLLM's host thread mid-forward. Needs torch, Triton, a CUDA GPU, redis-server (on
 PATH) and tiercache's Python dependencies; no vLLM, no install of tiercache:
 
     python scripts/gpu_replay.py --out replay.json
@@ -129,6 +131,10 @@ def replay_once(recording, layout, tiers_for, device, cycles, **kwargs) -> dict[
         "reads_checked": result.reads_checked,
         "loaded_reads_checked": dict(result.loaded_reads_checked),
         "hits": dict(result.hits),
+        # Host synchronisations inside vLLM's per-layer hooks (CUDA): each one would
+        # hold vLLM's host thread mid-forward until the GPU caught up.
+        "hook_syncs": dict(result.hook_syncs),
+        "sync_sites": dict(result.sync_sites),
     }
 
 

@@ -27,16 +27,24 @@ the forward's stream waits on. The forward's reads and writes are then kernels o
 forward's stream too, and the check of each layer's reads is queued there, read back
 only when the step's forward is over: the host never waits in between, so a copy not
 ordered against the forward shows up as wrong KV, as it would in vLLM, instead of
-being hidden by a host synchronisation. `attention_cycles` adds that much GPU sleep
+being hidden by a host synchronisation. The stand-in forward runs under torch's sync
+debug mode set to fail, so that it cannot synchronise by accident (an upload from
+pageable memory would); the worker's per-layer hooks run under it set to warn, and
+`ReplayResult.hook_syncs` counts what they synchronised. `attention_cycles` adds that much GPU sleep
 to each layer's attention, between its reads and its writes, as a longer forward
 would: a store copied before the forward wrote its layer then copies stale KV."""
 
 from __future__ import annotations
 
 import threading
+import traceback
+import warnings
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,6 +104,8 @@ class ReplayResult:
     loaded_reads_checked: Counter = field(default_factory=Counter)  # tier -> block reads from a load
     hits: Counter = field(default_factory=Counter)  # tier -> blocks the worker loaded
     reports: Counter = field(default_factory=Counter)  # (kind, value) -> count
+    hook_syncs: Counter = field(default_factory=Counter)  # per-layer hook -> host synchronisations (CUDA)
+    sync_sites: Counter = field(default_factory=Counter)  # the call stack of each, innermost last
 
 
 class _GatedStaging:
@@ -203,8 +213,42 @@ class Replay:
     def _content(self, number: int, layer: int) -> torch.Tensor:
         key = (number, layer)
         if key not in self._contents:
-            self._contents[key] = content(number, layer, self.rank).to(self.device)
+            self._contents[key] = self._upload(content(number, layer, self.rank))
         return self._contents[key]
+
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the replay's device without holding the host: from pageable
+        memory, torch waits for the stream to drain."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    @contextmanager
+    def _syncs(self, mode: str, hook: str | None = None) -> Iterator[None]:
+        """On CUDA, torch's sync debug mode inside: "error" fails on a host
+        synchronisation; "warn" counts them against `hook`."""
+        if self.device.type != "cuda":
+            yield
+            return
+        previous = torch.cuda.get_sync_debug_mode()
+        stacks: list[str] = []
+
+        def note(message, *_args, **_kwargs) -> None:
+            if "called a synchronizing" in str(message):  # not torch's notice on entering the mode
+                frames = reversed(traceback.extract_stack()[-10:-1])
+                stacks.append(" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            torch.cuda.set_sync_debug_mode(mode)
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        if hook is not None:
+            self.result.hook_syncs[hook] += len(stacks)
+            self.result.sync_sites.update(stacks)
 
     # -- the forward ----------------------------------------------------------------
     def _attention(self, step: dict[str, Any], name: str) -> None:
@@ -215,7 +259,7 @@ class Replay:
         blocks = self.blocks[name]
         reads = step["reads"]
         if reads:
-            index = torch.tensor([gpu_block for gpu_block, _, _ in reads], device=self.device)
+            index = self._upload(torch.tensor([gpu_block for gpu_block, _, _ in reads]))
             expected = torch.stack([self._content(number, layer) for _, number, _ in reads])
             wrong = (blocks.index_select(0, index) != expected).flatten(1).any(1)
             self._checks.append((step["step"], name, reads, wrong))
@@ -279,11 +323,14 @@ class Replay:
                     self._start(meta, staging)
                 elif name == "wait_for_layer_load":
                     in_forward = True
-                    worker.wait_for_layer(call[1])
-                    self._attention(step, call[1])
+                    with self._syncs("warn", name):
+                        worker.wait_for_layer(call[1])
+                    with self._syncs("error"):
+                        self._attention(step, call[1])
                 elif name == "save_kv_layer":
                     assert meta is not None, BOUND
-                    worker.save_layer(call[1], meta)
+                    with self._syncs("warn", name):
+                        worker.save_layer(call[1], meta)
                 elif name == "wait_for_save":
                     assert meta is not None and staging is not None, BOUND
                     if deferred_start:
