@@ -28,7 +28,6 @@ PATH) and tiercache's Python dependencies; no vLLM, no install of tiercache:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -54,25 +53,12 @@ import boto3  # noqa: E402
 
 from tiercache.connector import copier as copier_module  # noqa: E402
 from tiercache.connector import layerwise_gpu  # noqa: E402
-from tiercache.testing.replay import Replay  # noqa: E402
+from tiercache.testing.replay import Replay, with_swapped_slots  # noqa: E402
 from tiercache.testing.servers import RedisServer, start_moto  # noqa: E402
 
 RECORDING = ROOT / "tests" / "data" / "connector_calls.json"
 LAYOUTS = ("flash_attn", "flashinfer")
 WRONG_KV = "does not hold its KV"
-
-
-def with_swapped_slots(recording: dict[str, Any]) -> dict[str, Any]:
-    """Two blocks of the first synchronous CPU hit of several blocks swap slots."""
-    broken = copy.deepcopy(recording)
-    for call in broken["workers"]["0"]:
-        if call[0] == "bind":
-            jobs = [job for job in call[1]["loads"] if not job["async"] and len(job["ops"]) > 1]
-            if jobs:
-                ops = jobs[0]["ops"]
-                ops[0][2], ops[1][2] = ops[1][2], ops[0][2]
-                return broken
-    raise ValueError("the recording has no synchronous load of two blocks or more")
 
 
 @contextmanager

@@ -12,7 +12,6 @@ replay on CUDA tensors, where the CUDA streams and events are exercised too."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 
 from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
-from tiercache.testing.replay import Replay, recorded_reports
+from tiercache.testing.replay import Replay, recorded_reports, with_swapped_slots
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDING = ROOT / "tests" / "data" / "connector_calls.json"
@@ -152,16 +151,8 @@ def test_replay_fails_when_loads_start_after_the_forward_that_reads_them(recordi
 
 def test_replay_fails_when_a_load_puts_the_wrong_bytes_in_a_block(recording, tiers):
     """Two blocks of the first CPU hit swap slots: each gets the other's KV."""
-    broken = copy.deepcopy(recording)
-    for call in broken["workers"]["0"]:
-        if call[0] == "bind":
-            cpu_jobs = [job for job in call[1]["loads"] if not job["async"] and len(job["ops"]) > 1]
-            if cpu_jobs:
-                ops = cpu_jobs[0]["ops"]
-                ops[0][2], ops[1][2] = ops[1][2], ops[0][2]
-                break
     with pytest.raises(AssertionError, match="loaded from cpu.*does not hold its KV"):
-        Replay(broken, "flash_attn", tiers).run()
+        Replay(with_swapped_slots(recording), "flash_attn", tiers).run()
 
 
 def test_the_gpu_replay_script_passes_on_the_cpu_backend(tmp_path):

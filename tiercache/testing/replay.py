@@ -36,6 +36,7 @@ would: a store copied before the forward wrote its layer then copies stale KV.""
 
 from __future__ import annotations
 
+import copy
 import threading
 import traceback
 import warnings
@@ -381,6 +382,20 @@ class Replay:
             if job.is_async:
                 staging.owners.update(((op.block_hash, op.slot), job.req_id) for op in job.ops)
         self.worker.start_load_kv(meta)
+
+
+def with_swapped_slots(recording: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `recording` broken on purpose: two blocks of its first synchronous
+    load of several blocks (a CPU hit) swap slots, so each gets the other's KV."""
+    broken = copy.deepcopy(recording)
+    for call in broken["workers"]["0"]:
+        if call[0] == "bind":
+            jobs = [job for job in call[1]["loads"] if not job["async"] and len(job["ops"]) > 1]
+            if jobs:
+                ops = jobs[0]["ops"]
+                ops[0][2], ops[1][2] = ops[1][2], ops[0][2]
+                return broken
+    raise ValueError("the recording has no synchronous load of two blocks or more")
 
 
 def recorded_reports(recording: dict[str, Any], rank: str = "0") -> Counter:
