@@ -258,6 +258,20 @@ class Requests:
         return items
 
 
+def stray_engines() -> list[str]:
+    """vLLM engine processes already running: a benchmark stopped by a signal can leave
+    its engine's processes behind, idle but holding gigabytes and some CPU, and every
+    timing taken beside them is skewed (docs/benchmarks-e2e.md, "Runs 35 to 38")."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "name"]):
+        name = proc.info["name"] or ""
+        if name.startswith("VLLM::"):
+            found.append(f"{name} (pid {proc.info['pid']})")
+    return found
+
+
 class EngineRunner:
     """Runs each engine in a fresh vLLM process and keeps what it measured: the
     requests apart from the warm-ups, each with the load other work put on the
@@ -265,6 +279,13 @@ class EngineRunner:
     written to `partial`, so that it survives a later engine's failure."""
 
     def __init__(self, base_spec: dict[str, Any], runs_dir: Path, env: dict[str, str], partial: Path):
+        stray = stray_engines()
+        if stray:
+            raise SystemExit(
+                "vLLM engine processes are already running, left by an earlier run or run by "
+                f"another job: {', '.join(stray)}. Stop them first (kill the pids): timings "
+                "taken beside them are skewed."
+            )
         self.base_spec, self.runs_dir, self.env, self.partial = base_spec, runs_dir, env, partial
         self.engines: dict[str, Any] = {}
         self.monitor = CpuMonitor()
