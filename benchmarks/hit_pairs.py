@@ -25,12 +25,13 @@ reservation:
                  cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
   tiercache_disk a fresh engine on the disk the tiercache engine left, its CPU tier
                  the size of the longest prompt: first, over every prompt, [reset;
-                 disk hit], the first read of its objects, which the tiercache
-                 engine's later writes may have pushed out of the page cache (its
-                 time and the MiB the machine read from storage meanwhile are
-                 reported apart); then rounds over every prompt of [reset; disk hit;
-                 prefix-cache hit], read from the page cache. A disk hit read in the forward
-                 (vLLM's CPU backend, disk.load_in_forward) does not go to the CPU
+                 disk hit], the first read of its objects, which may have left the
+                 page cache since they were written (the benchmark VM drops page
+                 cache idle for a minute; its time and the MiB the machine read from
+                 storage meanwhile are reported apart); then rounds over every prompt
+                 of [reset; disk hit; prefix-cache hit], read from the page cache. A
+                 disk hit read in the forward (vLLM's CPU backend,
+                 disk.load_in_forward) does not go to the CPU
                  tier, so no CPU hit of the same prompt can follow it in this
                  engine: "disk hit / CPU hit" is the disk hit's paired ratio to the
                  prefix-cache hit here over the CPU hit's paired ratio to it in the

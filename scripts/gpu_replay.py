@@ -18,8 +18,10 @@ each broken variant fails, which shows that the check sees what it is there to s
 
 The last two exist on CUDA only. It also counts the host synchronisations inside the
 worker's per-layer hooks (`wait_for_layer_load`, `save_kv_layer`), which should be
-none: each would hold vLLM's host thread mid-forward. Needs torch, Triton, a CUDA GPU, redis-server (on
-PATH) and tiercache's Python dependencies; no vLLM, no install of tiercache:
+none: each would hold vLLM's host thread mid-forward.
+
+Needs torch, Triton, a CUDA GPU, redis-server (on PATH) and tiercache's Python
+dependencies; no vLLM, no install of tiercache:
 
     python scripts/gpu_replay.py --out replay.json
     python scripts/gpu_replay.py --device cpu    # the CPU backend's path, for comparison
@@ -53,7 +55,7 @@ import boto3  # noqa: E402
 
 from tiercache.connector import copier as copier_module  # noqa: E402
 from tiercache.connector import layerwise_gpu  # noqa: E402
-from tiercache.testing.replay import Replay, with_swapped_slots  # noqa: E402
+from tiercache.testing.replay import Replay, expected_result, with_swapped_slots  # noqa: E402
 from tiercache.testing.servers import RedisServer, start_moto  # noqa: E402
 
 RECORDING = ROOT / "tests" / "data" / "connector_calls.json"
@@ -124,17 +126,6 @@ def replay_once(recording, layout, tiers_for, device, cycles, **kwargs) -> dict[
     }
 
 
-def expected_counts(recording: dict[str, Any]) -> dict[str, Any]:
-    summary = recording["summary"]
-    layers = len(recording["kv"]["layers"])
-    return {
-        "steps": summary["steps"],
-        "reads_checked": layers * sum(len(step["reads"]) for step in recording["schedule"]),
-        "loaded_reads_checked": {tier: n * layers for tier, n in summary["loaded_reads_checked"].items()},
-        "hits": {t: n for t, n in summary["loaded_blocks_by_tier"].items() if t in ("cpu", "disk", "s3")},
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -156,7 +147,7 @@ def main() -> int:
     if on_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     recording = json.loads(RECORDING.read_text())
-    expected = expected_counts(recording)
+    expected = expected_result(recording)
 
     redis_server = RedisServer().start()
     s3 = start_moto()

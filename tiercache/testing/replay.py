@@ -30,9 +30,10 @@ ordered against the forward shows up as wrong KV, as it would in vLLM, instead o
 being hidden by a host synchronisation. The stand-in forward runs under torch's sync
 debug mode set to fail, so that it cannot synchronise by accident (an upload from
 pageable memory would); the worker's per-layer hooks run under it set to warn, and
-`ReplayResult.hook_syncs` counts what they synchronised. `attention_cycles` adds that much GPU sleep
-to each layer's attention, between its reads and its writes, as a longer forward
-would: a store copied before the forward wrote its layer then copies stale KV."""
+`ReplayResult.hook_syncs` counts what they synchronised. `attention_cycles` adds that
+much GPU sleep to each layer's attention, between its reads and its writes, as a
+longer forward would: a store copied before the forward wrote its layer then copies
+stale KV."""
 
 from __future__ import annotations
 
@@ -382,6 +383,20 @@ class Replay:
             if job.is_async:
                 staging.owners.update(((op.block_hash, op.slot), job.req_id) for op in job.ops)
         self.worker.start_load_kv(meta)
+
+
+def expected_result(recording: dict[str, Any]) -> dict[str, Any]:
+    """What a right replay of `recording` adds up to, in `ReplayResult`'s fields: every
+    step; every block a forward reads, checked at every layer; every loaded block so
+    checked, by tier; the blocks the worker loaded, by tier."""
+    summary = recording["summary"]
+    layers = len(recording["kv"]["layers"])
+    return {
+        "steps": summary["steps"],
+        "reads_checked": layers * sum(len(step["reads"]) for step in recording["schedule"]),
+        "loaded_reads_checked": {tier: n * layers for tier, n in summary["loaded_reads_checked"].items()},
+        "hits": {t: n for t, n in summary["loaded_blocks_by_tier"].items() if t in ("cpu", "disk", "s3")},
+    }
 
 
 def with_swapped_slots(recording: dict[str, Any]) -> dict[str, Any]:
