@@ -1,0 +1,192 @@
+"""Issue 21's ratios pooled over several `hit_pairs.py` runs, each with a bootstrap
+interval, and each run's own figure beside it: how far one run's ratio can say
+anything at all about a 5% target on this machine.
+
+    python benchmarks/hit_pairs_pool.py run39 run40 run41
+
+A run's ratio rests on a few requests a kind (9 pairs for the quiet hits, 12
+in-flight hits of each kind) whose single times spread by 30-60% on this 2-core VM,
+so one run's median ratio moves by several percent from one run to the next with
+the code unchanged. Pooling the runs narrows that, without mixing one run's machine
+speed into another's: each resample draws every run's requests from that run only
+(with replacement), takes that run's ratio, and the pooled ratio is the geometric
+mean of the runs' ratios. The interval is the 5th to 95th percentile of the pooled
+ratio over the resamples. Requests are the runs' saved results; nothing is re-run.
+
+Ratios, as in hit_pairs.py (the target in brackets):
+  quiet       CPU hit / prefix-cache hit just before it, same prompt, same engine (1.05)
+  example     CPU hit / ExampleConnector hit, each paired with its engine's
+              prefix-cache hit (1.0); and unpaired, the two engines' medians (1.0)
+  in flight   CPU hit with its prompt's write-through running / vLLM's prefix-cache
+              hit asked in the same place (1.05); and / the same engine's later
+              prefix-cache hits (1.05)
+  disk        disk hit (page cache) / CPU hit, each paired with a prefix-cache hit (1.1)
+  control     vLLM's prefix-cache hit in the in-flight place / its later ones: no
+              tiercache hit in it, so how far it strays from 1 is the noise alone"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from harness import ttft
+
+RESULTS = Path(__file__).resolve().parent / "results"
+Samples = dict[str, list[float]]  # label -> values (TTFTs, or ratios of pairs)
+# A run's ratio from its samples (each already resampled).
+Ratio = Callable[[Samples], float]
+
+
+def load(run: str) -> dict:
+    path = Path(run) if run.endswith(".json") else RESULTS / f"hit-pairs-{run}.json"
+    return json.loads(path.read_text())
+
+
+def requests_by_name(data: dict, engine: str) -> dict[str, dict]:
+    return {r["name"]: r for r in data["engines"][engine]["results"]}
+
+
+def labelled(data: dict, engine: str, label: str, length: int) -> list[dict]:
+    return [
+        r
+        for name, r in requests_by_name(data, engine).items()
+        if name.split("/")[0] == label and name.split("/")[1] == str(length)
+    ]
+
+
+def paired(data: dict, engine: str, top: str, bottom: str, length: int) -> list[float]:
+    """TTFT of `top` over the `bottom` of the same prompt and round, per pair."""
+    named = requests_by_name(data, engine)
+    out = []
+    for r in labelled(data, engine, top, length):
+        _, n, prompt_no, round_ = r["name"].split("/")
+        other = named.get(f"{bottom}/{n}/{prompt_no}/{round_}")
+        if other is not None:
+            out.append(ttft(r) / ttft(other))
+    return out
+
+
+def times(data: dict, engine: str, label: str, length: int) -> list[float]:
+    return [ttft(r) for r in labelled(data, engine, label, length)]
+
+
+def samples_of(data: dict, length: int) -> Samples:
+    return {
+        "quiet_pairs": paired(data, "tiercache", "cpu", "pc", length),
+        "example_pairs": paired(data, "example", "example", "pc", length),
+        "disk_pairs": paired(data, "tiercache_disk", "disk", "disk_pc", length),
+        "cpu": times(data, "tiercache", "cpu", length),
+        "example": times(data, "example", "example", length),
+        "inflight": times(data, "tiercache", "inflight", length),
+        "pc_inflight": times(data, "tiercache", "pc_inflight", length),
+        "pc": times(data, "tiercache", "pc", length),
+    }
+
+
+med = statistics.median
+
+RATIOS: dict[str, tuple[Ratio, float | None]] = {
+    "quiet: CPU hit / prefix-cache hit, paired": (lambda s: med(s["quiet_pairs"]), 1.05),
+    "example: CPU hit / ExampleConnector hit, each paired": (
+        lambda s: med(s["quiet_pairs"]) / med(s["example_pairs"]),
+        1.0,
+    ),
+    "example: CPU hit / ExampleConnector hit, unpaired": (lambda s: med(s["cpu"]) / med(s["example"]), 1.0),
+    "in flight: / prefix-cache hit in its place": (
+        lambda s: med(s["inflight"]) / med(s["pc_inflight"]),
+        1.05,
+    ),
+    "in flight: / later prefix-cache hits, same engine": (lambda s: med(s["inflight"]) / med(s["pc"]), 1.05),
+    "disk: disk hit / CPU hit, each paired": (lambda s: med(s["disk_pairs"]) / med(s["quiet_pairs"]), 1.1),
+    "control: prefix-cache hit in the in-flight place / later ones": (
+        lambda s: med(s["pc_inflight"]) / med(s["pc"]),
+        None,
+    ),
+}
+
+
+def resample(samples: Samples, rng: random.Random) -> Samples:
+    return {k: rng.choices(v, k=len(v)) if v else v for k, v in samples.items()}
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def pooled(runs: list[Samples], ratio: Ratio, draws: int, rng: random.Random) -> tuple[float, float, float]:
+    """(the pooled ratio, the 5th and 95th percentiles of it over `draws` resamples)."""
+    point = geometric_mean([ratio(s) for s in runs])
+    spread = sorted(geometric_mean([ratio(resample(s, rng)) for s in runs]) for _ in range(draws))
+    return point, spread[int(0.05 * draws)], spread[int(0.95 * draws) - 1]
+
+
+def report(names: list[str], lengths: list[int], draws: int, seed: int) -> dict:
+    datas = [load(n) for n in names]
+    rng = random.Random(seed)
+    out: dict = {}
+    for length in lengths:
+        runs = [samples_of(d, length) for d in datas]
+        usable = [s for s in runs if all(s.values())]
+        if len(usable) != len(runs):
+            raise SystemExit(f"{length} tokens: a run lacks some kind of request (an older hit_pairs.py?)")
+        rows = {}
+        for label, (ratio, target) in RATIOS.items():
+            point, low, high = pooled(runs, ratio, draws, rng)
+            rows[label] = {
+                "runs": [ratio(s) for s in runs],
+                "pooled": point,
+                "interval_90": [low, high],
+                "target": target,
+            }
+        out[str(length)] = rows
+    return out
+
+
+def verdict(row: dict) -> str:
+    target = row["target"]
+    low, high = row["interval_90"]
+    if target is None:
+        return ""
+    if high <= target:
+        return "met"
+    if low > target:
+        return "missed"
+    return "not resolved"
+
+
+def show(names: list[str], result: dict) -> None:
+    for length, rows in result.items():
+        print(f"\n{length} tokens | " + " | ".join(names) + " | pooled [90% interval] | target |")
+        print("|---|" + "---:|" * len(names) + "---|---|")
+        for label, row in rows.items():
+            runs = " | ".join(f"{r:.3f}" for r in row["runs"])
+            low, high = row["interval_90"]
+            target = "" if row["target"] is None else f"{row['target']:.2f} {verdict(row)}"
+            print(f"| {label} | {runs} | {row['pooled']:.3f} [{low:.3f}, {high:.3f}] | {target} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="run names (run39 reads results/hit-pairs-run39.json) or files"
+    )
+    parser.add_argument("--lengths", default="1000,2000,4000")
+    parser.add_argument("--draws", type=int, default=4000)
+    parser.add_argument("--seed", type=int, default=21)
+    parser.add_argument("--save", help="write the figures as JSON to this file")
+    args = parser.parse_args()
+    result = report(args.runs, [int(n) for n in args.lengths.split(",")], args.draws, args.seed)
+    show(args.runs, result)
+    if args.save:
+        Path(args.save).write_text(json.dumps({"runs": args.runs, "lengths": result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
