@@ -12,9 +12,10 @@ than later ones.
 
 Each prompt is computed cold, then hit twice from the prefix cache, once with the
 waker running on the core the model does not use and once without, the order
-alternating from prompt to prompt. The waker is a separate process that follows
-marker files the engine's driver writes between requests, and acknowledges each
-switch before the next request goes."""
+alternating from prompt to prompt; every hit is checked against its prompt's cold
+run (the whole prompt but the last block cached, the same first token). The waker is
+a separate process that follows marker files the engine's driver writes between
+requests, and acknowledges each switch before the next request goes."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import engine_arguments, engine_runner, machine, median, prompt, request, save, ttft
-from hit_pairs import by_name
+from hit_pairs import by_name, hit_problems
 
 # How often the waker wakes while on, and looks for its next switch while off.
 WAKE_SECONDS = 0.001
@@ -113,6 +114,14 @@ def main() -> None:
         process.kill()
         runner.stop()
     by = by_name(runner.engines["no_connector"])
+    problems = [
+        problem
+        for i in range(args.prompts)
+        for label in ("awake", "idle")
+        for problem in hit_problems(by[f"{label}/{i}"], by[f"cold/{i}"], args.length, None)
+    ]
+    if problems:
+        raise SystemExit("hits that were not right:\n  " + "\n  ".join(problems))
     awake = [1000 * ttft(by[f"awake/{i}"]) for i in range(args.prompts)]
     idle = [1000 * ttft(by[f"idle/{i}"]) for i in range(args.prompts)]
     ratios = [a / b for a, b in zip(awake, idle, strict=True)]
