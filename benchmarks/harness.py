@@ -258,18 +258,22 @@ class Requests:
         return items
 
 
+def vllm_processes(prefix: str = "VLLM::") -> list[Any]:
+    """The running processes vLLM named `prefix`... (its engine core and workers
+    rename themselves VLLM::EngineCore, VLLM::Worker...), as psutil processes with
+    `info["name"]` and `info["pid"]`."""
+    import psutil
+
+    return [
+        proc for proc in psutil.process_iter(["pid", "name"]) if (proc.info["name"] or "").startswith(prefix)
+    ]
+
+
 def stray_engines() -> list[str]:
     """vLLM engine processes already running: a benchmark stopped by a signal can leave
     its engine's processes behind, idle but holding gigabytes and some CPU, and every
     timing taken beside them is skewed (docs/benchmarks-e2e.md, "Runs 35 to 38")."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "name"]):
-        name = proc.info["name"] or ""
-        if name.startswith("VLLM::"):
-            found.append(f"{name} (pid {proc.info['pid']})")
-    return found
+    return [f"{proc.info['name']} (pid {proc.info['pid']})" for proc in vllm_processes()]
 
 
 class EngineRunner:

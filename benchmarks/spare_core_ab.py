@@ -27,7 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import engine_arguments, engine_runner, machine, median, prompt, request, save, ttft
+import psutil
+from harness import (
+    engine_arguments,
+    engine_runner,
+    machine,
+    median,
+    prompt,
+    request,
+    save,
+    ttft,
+    vllm_processes,
+)
 from hit_pairs import by_name, hit_problems
 
 # How often the waker wakes while on, and looks for its next switch while off.
@@ -38,11 +49,10 @@ IDLE_LOOK_SECONDS = 0.05
 def model_cpus() -> set[int]:
     """The cores vLLM's worker processes are bound to (the model's OMP cores)."""
     cpus: set[int] = set()
-    for status in Path("/proc").glob("[0-9]*/comm"):
+    for proc in vllm_processes("VLLM::Worker"):
         try:
-            if status.read_text().startswith("VLLM::Worker"):
-                cpus |= os.sched_getaffinity(int(status.parent.name))
-        except (OSError, ValueError):
+            cpus |= set(proc.cpu_affinity())
+        except psutil.Error:
             continue  # the process ended meanwhile
     return cpus
 
