@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import ttft
+from hit_pairs import by_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Samples = dict[str, list[float]]  # label -> values (TTFTs, or ratios of pairs)
@@ -47,44 +48,38 @@ def load(run: str) -> dict:
     return json.loads(path.read_text())
 
 
-def requests_by_name(data: dict, engine: str) -> dict[str, dict]:
-    return {r["name"]: r for r in data["engines"][engine]["results"]}
+def labelled(named: dict[str, dict], label: str, length: int) -> list[dict]:
+    """The requests of one kind and length: hit_pairs.py names them label/length/prompt/round."""
+    return [r for name, r in named.items() if name.split("/")[:2] == [label, str(length)]]
 
 
-def labelled(data: dict, engine: str, label: str, length: int) -> list[dict]:
-    return [
-        r
-        for name, r in requests_by_name(data, engine).items()
-        if name.split("/")[0] == label and name.split("/")[1] == str(length)
-    ]
-
-
-def paired(data: dict, engine: str, top: str, bottom: str, length: int) -> list[float]:
+def paired(named: dict[str, dict], top: str, bottom: str, length: int) -> list[float]:
     """TTFT of `top` over the `bottom` of the same prompt and round, per pair."""
-    named = requests_by_name(data, engine)
     out = []
-    for r in labelled(data, engine, top, length):
-        _, n, prompt_no, round_ = r["name"].split("/")
-        other = named.get(f"{bottom}/{n}/{prompt_no}/{round_}")
+    for r in labelled(named, top, length):
+        other = named.get("/".join([bottom, *r["name"].split("/")[1:]]))
         if other is not None:
             out.append(ttft(r) / ttft(other))
     return out
 
 
-def times(data: dict, engine: str, label: str, length: int) -> list[float]:
-    return [ttft(r) for r in labelled(data, engine, label, length)]
+def times(named: dict[str, dict], label: str, length: int) -> list[float]:
+    return [ttft(r) for r in labelled(named, label, length)]
 
 
 def samples_of(data: dict, length: int) -> Samples:
+    tiercache, example, disk = (
+        by_name(data["engines"][e]) for e in ("tiercache", "example", "tiercache_disk")
+    )
     return {
-        "quiet_pairs": paired(data, "tiercache", "cpu", "pc", length),
-        "example_pairs": paired(data, "example", "example", "pc", length),
-        "disk_pairs": paired(data, "tiercache_disk", "disk", "disk_pc", length),
-        "cpu": times(data, "tiercache", "cpu", length),
-        "example": times(data, "example", "example", length),
-        "inflight": times(data, "tiercache", "inflight", length),
-        "pc_inflight": times(data, "tiercache", "pc_inflight", length),
-        "pc": times(data, "tiercache", "pc", length),
+        "quiet_pairs": paired(tiercache, "cpu", "pc", length),
+        "example_pairs": paired(example, "example", "pc", length),
+        "disk_pairs": paired(disk, "disk", "disk_pc", length),
+        "cpu": times(tiercache, "cpu", length),
+        "example": times(example, "example", length),
+        "inflight": times(tiercache, "inflight", length),
+        "pc_inflight": times(tiercache, "pc_inflight", length),
+        "pc": times(tiercache, "pc", length),
     }
 
 

@@ -36,7 +36,7 @@ def run_file(path: Path, speed: float, inflight_over_pc: list[float]) -> Path:
             result(f"pc_inflight/1000/{100 + p}/0", speed),
         ]
     engines = {
-        e: {"results": rs}
+        e: {"warm": [], "results": rs}
         for e, rs in (("tiercache", tiercache), ("example", example), ("tiercache_disk", disk))
     }
     path.write_text(json.dumps({"engines": engines}))
