@@ -17,10 +17,19 @@ reservation:
                  --inflight-repeats prompts a length get the in-flight hit, the first
                  --repeats of them the rounds too: one in-flight hit a prompt, so the
                  in-flight median needs more prompts than the paired ratios do.
-                 Between them, --inflight-pc-repeats other prompts are asked cold and
-                 then at once again without the reset: vLLM's prefix-cache hit in the
-                 in-flight hit's place (right after its prompt's cold run, the
-                 write-through running), the floor to hold the in-flight hit to.
+                 Each in-flight hit is paired with vLLM's prefix-cache hit of the same
+                 prompt, also asked while its write-through runs ("pc_at_once"): the
+                 two follow the cold run back to back, the prefix-cache hit first for
+                 even prompts and second for odd ones, so that neither always gets
+                 the place right after the cold run. Whether the write-through was
+                 still under way at each is read from the disk tier: the objects of
+                 the prompt renamed into place after the request began.
+                 Between them, --inflight-pc-repeats other prompts (none by default)
+                 are asked cold and then at once again without the reset: the
+                 unpaired floor of runs 31-42.
+                 After each pause, a short stored prompt is asked before the rounds
+                 ("wake"), so that the rounds' first prefix-cache hit does not carry
+                 the first request after an idle pause alone.
   example        vLLM's ExampleConnector (safetensors files, in the page cache):
                  cold; rounds of [prefix-cache hit; reset; ExampleConnector hit].
   tiercache_disk a fresh engine on the disk the tiercache engine left, its CPU tier
@@ -46,8 +55,10 @@ length (a pair is two requests of one prompt, one after the other). TTFT is vLLM
 from __future__ import annotations
 
 import argparse
+import bisect
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from harness import (
@@ -67,6 +78,11 @@ from harness import (
 )
 
 RESET = {"reset_prefix_cache": True}
+# Asked after a pause, before the rounds: the first request after an idle pause is
+# slower than the next (docs/benchmarks-e2e.md, "The first request after an idle
+# pause"), and it should not be the rounds' first prefix-cache hit alone. One of the
+# warm-up prompts, stored already, so it starts no write-through.
+WAKE = prompt(1, 64)
 # The connector's blocks loaded by tier, read after every request: which tier each hit
 # came from (a "disk" hit that came from the CPU tier would flatter the disk).
 LOADED_BLOCKS = "vllm:tiercache_loaded_blocks"
@@ -101,6 +117,27 @@ def in_flight_order(lengths: list[int], args: argparse.Namespace) -> list[Ask]:
         for i in range(max(len(cpu), len(pc))):
             order += cpu[i : i + 1] + pc[i : i + 1]
     return order
+
+
+def in_flight_pair(key: tuple[int, int], ids: list[int], paired: bool) -> list[dict[str, Any]]:
+    """What follows a prompt's cold run while its write-through runs: the in-flight
+    CPU hit (after vLLM's prefix cache is reset) and, `paired`, vLLM's own hit of it,
+    first for even prompts and second for odd ones. A prefix-cache hit asked after the
+    CPU hit runs while the writes that hit kept back go on; one asked before it, while
+    they have not been kept back: alternating puts each case on half the pairs."""
+    cpu_hit = [RESET, request(name("inflight", key), ids)]
+    if not paired:
+        return cpu_hit
+    pc_hit = [request(name("pc_at_once", key), ids)]
+    return pc_hit + cpu_hit if key[1] % 2 == 0 else cpu_hit + pc_hit
+
+
+def renamed_at(disk: Path) -> list[float]:
+    """When each object on the disk tier was renamed into place (its ctime), sorted:
+    a write-through's disk writes are over once its prompt's last object is."""
+    from tiercache.tiers.disk import SUFFIX, TMP_PREFIX
+
+    return sorted(p.stat().st_ctime for p in disk.rglob(f"*{SUFFIX}") if not p.name.startswith(TMP_PREFIX))
 
 
 def warm_up(lengths: list[int], connector: bool) -> list[dict[str, Any]]:
@@ -179,10 +216,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if label == "pc_inflight":
                 items += [request(name("cold", key), ids), request(name(label, key), ids), quiet]
                 continue
-            items += [request(name("cold", key), ids), RESET, request(name("inflight", key), ids), quiet]
+            items += [request(name("cold", key), ids), *in_flight_pair(key, ids, args.inflight_pairs), quiet]
+            if key in asks:
+                items.append(request(name("wake", key), WAKE))
             for i in range(args.rounds if key in asks else 0):
                 items += [request(name("pc", key, i), ids), RESET, request(name("cpu", key, i), ids)]
         runner.run("tiercache", items, kv_transfer_config=tiercache_kv(everything), counters=LOADED_BLOCKS)
+        runner.engines["tiercache"]["disk_renamed_at"] = renamed_at(disk)
 
     # A CPU tier that holds the longest prompt and little more: by the time a prompt
     # comes round again the others have evicted it, so each round starts from disk.
@@ -272,7 +312,7 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
         cold = colds[engine if engine != "tiercache_disk" else "tiercache"][name("cold", key)]
         tier = {"disk": "disk", "disk_first": "disk", "cpu": "cpu", "inflight": "cpu"}.get(label)
         found = hit_problems(r, cold, key[0], tier, hit=label != "cold")
-        if label == "pc_inflight" and any(r.get("loaded", {}).values()):
+        if label in ("pc_inflight", "pc_at_once") and any(r.get("loaded", {}).values()):
             found.append(f"{r['name']}: loaded {r['loaded']} from tiercache, want a prefix-cache hit")
         problems.extend(f"{engine} {problem}" for problem in found)
         return r
@@ -343,12 +383,54 @@ def summarize(engines: dict[str, Any], asks: dict[tuple[int, int], list[int]], a
             row["pc_inflight_hits"] = len(pc_inflight_keys)
             row["inflight_over_pc_inflight"] = row["inflight_ms"] / row["pc_inflight_ms"]
             row["pc_inflight_over_pc_same_engine"] = row["pc_inflight_ms"] / row["tiercache_pc_ms"]
+        if name("pc_at_once", keys[0]) in colds["tiercache"]:
+            row.update(at_once_pairs(engines["tiercache"], colds["tiercache"], inflight_keys, sample))
         row["cpu_over_example"] = row["cpu_ms"] / row["example_ms"]
         row["cpu_over_example_paired"] = row["cpu_over_pc_paired"] / row["example_over_pc_paired"]
         out[str(n)] = row
     if problems:
         raise SystemExit("hits that were not right:\n  " + "\n  ".join(problems))
     return out
+
+
+def objects_left(
+    engine: dict[str, Any], named: dict[str, dict[str, Any]], key: tuple[int, int]
+) -> dict[str, int]:
+    """For the in-flight pair of prompt `key`: how many of the prompt's disk objects
+    were renamed into place after each of its two hits began (0: its disk writes were
+    over). The prompt's objects are those renamed between its cold run and the next
+    cold run of the engine (a pause follows each pair, so writes do not overlap)."""
+    renamed = engine["disk_renamed_at"]
+    began = named[name("cold", key)]["started_at"]
+    later = [
+        r["started_at"]
+        for r in engine["results"]
+        if r["name"].startswith("cold/") and r["started_at"] > began
+    ]
+    end = bisect.bisect_right(renamed, min(later, default=float("inf")))
+    return {
+        label: end - bisect.bisect_right(renamed, named[name(label, key)]["started_at"])
+        for label in ("inflight", "pc_at_once")
+    }
+
+
+def at_once_pairs(engine: dict[str, Any], named: dict[str, dict[str, Any]], keys, sample) -> dict[str, Any]:
+    """The in-flight CPU hit against vLLM's hit of the same prompt asked at once too,
+    paired: the median ratio over all pairs and over each order apart, and how many
+    pairs had the prompt's disk writes still under way at both hits."""
+    ratios = {
+        k: ttft(sample("tiercache", "inflight", k)) / ttft(sample("tiercache", "pc_at_once", k)) for k in keys
+    }
+    left = {k: objects_left(engine, named, k) for k in keys}
+    return {
+        "pc_at_once_ms": 1000 * median([ttft(sample("tiercache", "pc_at_once", k)) for k in keys]),
+        "inflight_over_pc_at_once_paired": median(list(ratios.values())),
+        "inflight_over_pc_at_once_pc_first": median([r for k, r in ratios.items() if k[1] % 2 == 0]),
+        "inflight_over_pc_at_once_cpu_first": median([r for k, r in ratios.items() if k[1] % 2 == 1]),
+        "pairs_in_flight": sum(1 for k in keys if min(left[k].values()) > 0),
+        "disk_objects_left_at_inflight": median([left[k]["inflight"] for k in keys]),
+        "disk_objects_left_at_pc_at_once": median([left[k]["pc_at_once"] for k in keys]),
+    }
 
 
 # The table's rows: label, summary key, format.
@@ -361,6 +443,18 @@ TABLE = [
     ("in-flight hits (one a prompt)", "inflight_hits", "{}"),
     ("prefix-cache hit in the in-flight hit's place", "pc_inflight_ms", "{:.0f}"),
     ("such prefix-cache hits (one a prompt)", "pc_inflight_hits", "{}"),
+    ("prefix-cache hit of the in-flight prompt, asked at once too", "pc_at_once_ms", "{:.0f}"),
+    ("pairs with the prompt's disk writes under way at both hits", "pairs_in_flight", "{}"),
+    (
+        "disk objects still to write at the in-flight CPU hit, median",
+        "disk_objects_left_at_inflight",
+        "{:.0f}",
+    ),
+    (
+        "disk objects still to write at that prefix-cache hit, median",
+        "disk_objects_left_at_pc_at_once",
+        "{:.0f}",
+    ),
     ("ExampleConnector hit", "example_ms", "{:.0f}"),
     ("tiercache disk hit, first read of its objects in the fresh engine", "disk_first_ms", "{:.0f}"),
     ("MiB read from storage meanwhile", "disk_first_storage_mib", "{:.0f}"),
@@ -373,6 +467,9 @@ TABLE = [
     ("in-flight CPU hit / prefix-cache hit, same engine", "inflight_over_pc_same_engine", "{:.3f}x"),
     ("in-flight CPU hit / prefix-cache hit in its place", "inflight_over_pc_inflight", "{:.3f}x"),
     ("prefix-cache hit in that place / later ones", "pc_inflight_over_pc_same_engine", "{:.3f}x"),
+    ("in-flight CPU hit / prefix-cache hit at once, paired", "inflight_over_pc_at_once_paired", "{:.3f}x"),
+    ("  the same, prefix-cache hit first", "inflight_over_pc_at_once_pc_first", "{:.3f}x"),
+    ("  the same, CPU hit first", "inflight_over_pc_at_once_cpu_first", "{:.3f}x"),
     ("ExampleConnector hit / prefix-cache hit, paired", "example_over_pc_paired", "{:.3f}x"),
     ("CPU hit / ExampleConnector hit", "cpu_over_example", "{:.3f}x"),
     ("disk hit / prefix-cache hit, paired", "disk_over_pc_paired", "{:.3f}x"),
@@ -404,9 +501,15 @@ def main() -> None:
         "--inflight-repeats", type=int, default=6, help="prompts per length whose in-flight hit is measured"
     )
     parser.add_argument(
+        "--inflight-pairs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pair each in-flight hit with a prefix-cache hit of its prompt, also asked in flight",
+    )
+    parser.add_argument(
         "--inflight-pc-repeats",
         type=int,
-        default=6,
+        default=0,
         help="prompts per length whose prefix-cache hit is asked in the in-flight hit's place",
     )
     parser.add_argument("--quiet-seconds", type=float, default=8.0, help="pause after the in-flight hit")

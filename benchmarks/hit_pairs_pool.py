@@ -18,11 +18,18 @@ Ratios, as in hit_pairs.py (the target in brackets):
   example     CPU hit / ExampleConnector hit, each paired with its engine's
               prefix-cache hit (1.0); and unpaired, the two engines' medians (1.0)
   in flight   CPU hit with its prompt's write-through running / vLLM's prefix-cache
-              hit asked in the same place (1.05); and / the same engine's later
-              prefix-cache hits (1.05)
+              hit of the same prompt asked at once too, paired (1.05; runs from
+              43 on); / vLLM's prefix-cache hit of another prompt asked in the
+              in-flight hit's place (1.05; runs 31-42); and / the same engine's
+              later prefix-cache hits (1.05)
   disk        disk hit (page cache) / CPU hit, each paired with a prefix-cache hit (1.1)
-  control     vLLM's prefix-cache hit in the in-flight place / its later ones: no
-              tiercache hit in it, so how far it strays from 1 is the noise alone"""
+  control     vLLM's prefix-cache hit in the in-flight place (or asked at once beside
+              the in-flight hit) / its later ones: no tiercache hit in it, so how far
+              it strays from 1 is the noise alone
+
+A ratio is shown where every run has the requests it needs: runs before 43 have no
+paired in-flight hits, runs from 43 on no unpaired prefix-cache hits in the in-flight
+place."""
 
 from __future__ import annotations
 
@@ -78,6 +85,8 @@ def samples_of(data: dict, length: int) -> Samples:
         "cpu": times(tiercache, "cpu", length),
         "example": times(example, "example", length),
         "inflight": times(tiercache, "inflight", length),
+        "inflight_pairs": paired(tiercache, "inflight", "pc_at_once", length),
+        "pc_at_once": times(tiercache, "pc_at_once", length),
         "pc_inflight": times(tiercache, "pc_inflight", length),
         "pc": times(tiercache, "pc", length),
     }
@@ -85,22 +94,48 @@ def samples_of(data: dict, length: int) -> Samples:
 
 med = statistics.median
 
-RATIOS: dict[str, tuple[Ratio, float | None]] = {
-    "quiet: CPU hit / prefix-cache hit, paired": (lambda s: med(s["quiet_pairs"]), 1.05),
+# label -> (the ratio, its target or None, the samples it needs)
+RATIOS: dict[str, tuple[Ratio, float | None, tuple[str, ...]]] = {
+    "quiet: CPU hit / prefix-cache hit, paired": (lambda s: med(s["quiet_pairs"]), 1.05, ("quiet_pairs",)),
     "example: CPU hit / ExampleConnector hit, each paired": (
         lambda s: med(s["quiet_pairs"]) / med(s["example_pairs"]),
         1.0,
+        ("quiet_pairs", "example_pairs"),
     ),
-    "example: CPU hit / ExampleConnector hit, unpaired": (lambda s: med(s["cpu"]) / med(s["example"]), 1.0),
+    "example: CPU hit / ExampleConnector hit, unpaired": (
+        lambda s: med(s["cpu"]) / med(s["example"]),
+        1.0,
+        ("cpu", "example"),
+    ),
+    "in flight: / prefix-cache hit of its prompt asked at once too, paired": (
+        lambda s: med(s["inflight_pairs"]),
+        1.05,
+        ("inflight_pairs",),
+    ),
     "in flight: / prefix-cache hit in its place": (
         lambda s: med(s["inflight"]) / med(s["pc_inflight"]),
         1.05,
+        ("inflight", "pc_inflight"),
     ),
-    "in flight: / later prefix-cache hits, same engine": (lambda s: med(s["inflight"]) / med(s["pc"]), 1.05),
-    "disk: disk hit / CPU hit, each paired": (lambda s: med(s["disk_pairs"]) / med(s["quiet_pairs"]), 1.1),
+    "in flight: / later prefix-cache hits, same engine": (
+        lambda s: med(s["inflight"]) / med(s["pc"]),
+        1.05,
+        ("inflight", "pc"),
+    ),
+    "disk: disk hit / CPU hit, each paired": (
+        lambda s: med(s["disk_pairs"]) / med(s["quiet_pairs"]),
+        1.1,
+        ("disk_pairs", "quiet_pairs"),
+    ),
+    "control: prefix-cache hit at once beside the in-flight hit / later ones": (
+        lambda s: med(s["pc_at_once"]) / med(s["pc"]),
+        None,
+        ("pc_at_once", "pc"),
+    ),
     "control: prefix-cache hit in the in-flight place / later ones": (
         lambda s: med(s["pc_inflight"]) / med(s["pc"]),
         None,
+        ("pc_inflight", "pc"),
     ),
 }
 
@@ -126,11 +161,10 @@ def report(names: list[str], lengths: list[int], draws: int, seed: int) -> dict:
     out: dict = {}
     for length in lengths:
         runs = [samples_of(d, length) for d in datas]
-        usable = [s for s in runs if all(s.values())]
-        if len(usable) != len(runs):
-            raise SystemExit(f"{length} tokens: a run lacks some kind of request (an older hit_pairs.py?)")
         rows = {}
-        for label, (ratio, target) in RATIOS.items():
+        for label, (ratio, target, needs) in RATIOS.items():
+            if not all(s[k] for s in runs for k in needs):
+                continue  # some run has none of these requests (another hit_pairs.py design)
             point, low, high = pooled(runs, ratio, draws, rng)
             rows[label] = {
                 "runs": [ratio(s) for s in runs],

@@ -57,11 +57,13 @@ def model_cpus() -> set[int]:
     return cpus
 
 
-def waker(folder: Path) -> None:
-    """Runs until killed: off until `on-N` appears, then wakes every WAKE_SECONDS until
-    `off-N`; acknowledges each switch with `ack-on-N` / `ack-off-N`. Moves to the
-    cores the model does not use at the first switch (the engine is up by then) and
-    writes them to `cpus`."""
+def waker(folder: Path, spin: bool) -> None:
+    """Runs until killed: off until `on-N` appears, then wakes every WAKE_SECONDS (with
+    `spin`, runs without a break at the lowest priority) until `off-N`; acknowledges
+    each switch with `ack-on-N` / `ack-off-N`. Moves to the cores the model does not
+    use at the first switch (the engine is up by then) and writes them to `cpus`."""
+    if spin:
+        os.nice(19)
     n = 0
     while True:
         while not (folder / f"on-{n}").exists():
@@ -76,7 +78,12 @@ def waker(folder: Path) -> None:
             (folder / "cpus").write_text(f"model on {sorted(model)}, waker on {sorted(spare)}")
         (folder / f"ack-on-{n}").touch()
         while not (folder / f"off-{n}").exists():
-            time.sleep(WAKE_SECONDS)
+            if spin:
+                until = time.monotonic() + WAKE_SECONDS
+                while time.monotonic() < until:
+                    pass
+            else:
+                time.sleep(WAKE_SECONDS)
         (folder / f"ack-off-{n}").touch()
         n += 1
 
@@ -104,12 +111,19 @@ def main() -> None:
     )
     parser.add_argument("--length", type=int, default=1000)
     parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument(
+        "--mode",
+        choices=["wake", "spin"],
+        default="wake",
+        help="what the process on the spare core does while on: wake every millisecond, "
+        "or run without a break (nice 19)",
+    )
     parser.add_argument("--waker", help=argparse.SUPPRESS)  # the waker process's own entry
     engine_arguments(parser, "/tmp/tiercache-bench-spare-core")
     parser.add_argument("--name", default="spare-core-ab")
     args = parser.parse_args()
     if args.waker:
-        waker(Path(args.waker))
+        waker(Path(args.waker), args.mode == "spin")
         return
     work, runner = engine_runner(args, args.length)
     folder = work / "waker"
@@ -117,7 +131,7 @@ def main() -> None:
     for old in folder.iterdir():
         old.unlink()
     asks = [prompt(80_000 + i, args.length) for i in range(args.prompts)]
-    process = subprocess.Popen([sys.executable, __file__, "--waker", str(folder)])
+    process = subprocess.Popen([sys.executable, __file__, "--waker", str(folder), "--mode", args.mode])
     try:
         runner.run("no_connector", items_for(asks, args.length, folder))
     finally:
@@ -141,13 +155,15 @@ def main() -> None:
         "awake_over_idle_paired": median(ratios),
         "awake_faster_in": sum(r < 1 for r in ratios),
         "cores": (folder / "cpus").read_text(),
+        "mode": args.mode,
     }
     save(args.name, {"engines": runner.engines, "summary": summary, "machine": machine(), "args": vars(args)})
     print(summary["cores"])
     print("| prefix-cache hit | median TTFT (ms) |")
     print("|---|---:|")
     print(f"| spare core idle | {summary['idle_ms']:.1f} |")
-    print(f"| spare core woken every {1000 * WAKE_SECONDS:.0f} ms | {summary['awake_ms']:.1f} |")
+    busy = "kept busy (nice 19)" if args.mode == "spin" else f"woken every {1000 * WAKE_SECONDS:.0f} ms"
+    print(f"| spare core {busy} | {summary['awake_ms']:.1f} |")
     print(
         f"| woken / idle, paired by prompt | {summary['awake_over_idle_paired']:.3f}x "
         f"(faster in {summary['awake_faster_in']} of {args.prompts}) |"

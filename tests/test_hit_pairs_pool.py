@@ -94,3 +94,36 @@ def test_a_spread_run_leaves_the_target_unresolved(tmp_path):
     rows = pool(spread, out=tmp_path / "pool.json")
     low, high = rows[IN_FLIGHT]["interval_90"]
     assert low < 1.05 < high
+
+
+PAIRED = "in flight: / prefix-cache hit of its prompt asked at once too, paired"
+
+
+def paired_run_file(path: Path, speed: float, inflight_over_pc: list[float]) -> Path:
+    """A run of the paired design (run 43 on): each in-flight hit has a prefix-cache hit
+    of its own prompt, whose time varies from prompt to prompt."""
+    data = json.loads(run_file(path, speed, []).read_text())
+    tiercache = data["engines"]["tiercache"]["results"]
+    for p, multiple in enumerate(inflight_over_pc):
+        pc = speed * (1 + p / 10)
+        tiercache += [result(f"pc_at_once/1000/{p}/0", pc), result(f"inflight/1000/{p}/0", pc * multiple)]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_paired_in_flight_hits_give_the_median_of_each_prompts_ratio(tmp_path):
+    # Prefix-cache hits from 1.0x to 2.1x `speed`, each in-flight hit 1.02x its own:
+    # the ratio of the two medians would not be 1.02, the median of the pairs is.
+    run = paired_run_file(tmp_path / "paired.json", 0.060, [1.02] * 12)
+    rows = pool(run, out=tmp_path / "pool.json")
+    assert rows[PAIRED]["runs"] == pytest.approx([1.02])
+    assert rows[PAIRED]["target"] == 1.05
+    assert IN_FLIGHT not in rows  # no unpaired prefix-cache hit in the in-flight place
+
+
+def test_runs_of_both_designs_pool_only_the_ratios_both_have(tmp_path):
+    old = run_file(tmp_path / "old.json", 0.060, [1.0] * 12)
+    new = paired_run_file(tmp_path / "new.json", 0.060, [1.0] * 12)
+    rows = pool(old, new, out=tmp_path / "pool.json")
+    assert PAIRED not in rows and IN_FLIGHT not in rows
+    assert rows[QUIET]["runs"] == [1.0, 1.0]
