@@ -38,7 +38,6 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 from harness import ttft
@@ -46,8 +45,6 @@ from hit_pairs import by_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Samples = dict[str, list[float]]  # label -> values (TTFTs, or ratios of pairs)
-# A run's ratio from its samples (each already resampled).
-Ratio = Callable[[Samples], float]
 
 
 def load(run: str) -> dict:
@@ -94,49 +91,34 @@ def samples_of(data: dict, length: int) -> Samples:
 
 med = statistics.median
 
-# label -> (the ratio, its target or None, the samples it needs)
-RATIOS: dict[str, tuple[Ratio, float | None, tuple[str, ...]]] = {
-    "quiet: CPU hit / prefix-cache hit, paired": (lambda s: med(s["quiet_pairs"]), 1.05, ("quiet_pairs",)),
-    "example: CPU hit / ExampleConnector hit, each paired": (
-        lambda s: med(s["quiet_pairs"]) / med(s["example_pairs"]),
-        1.0,
-        ("quiet_pairs", "example_pairs"),
-    ),
-    "example: CPU hit / ExampleConnector hit, unpaired": (
-        lambda s: med(s["cpu"]) / med(s["example"]),
-        1.0,
-        ("cpu", "example"),
-    ),
-    "in flight: / prefix-cache hit of its prompt asked at once too, paired": (
-        lambda s: med(s["inflight_pairs"]),
-        1.05,
-        ("inflight_pairs",),
-    ),
-    "in flight: / prefix-cache hit in its place": (
-        lambda s: med(s["inflight"]) / med(s["pc_inflight"]),
-        1.05,
-        ("inflight", "pc_inflight"),
-    ),
-    "in flight: / later prefix-cache hits, same engine": (
-        lambda s: med(s["inflight"]) / med(s["pc"]),
-        1.05,
-        ("inflight", "pc"),
-    ),
-    "disk: disk hit / CPU hit, each paired": (
-        lambda s: med(s["disk_pairs"]) / med(s["quiet_pairs"]),
-        1.1,
-        ("disk_pairs", "quiet_pairs"),
-    ),
+
+class Ratio:
+    """The median of one kind of sample, over the median of another where `bottom` is
+    given: every ratio of issue 21 is one of these, and a run can give it only if it
+    has both kinds of request."""
+
+    def __init__(self, top: str, bottom: str | None = None):
+        self.top, self.bottom = top, bottom
+        self.needs = (top,) if bottom is None else (top, bottom)
+
+    def __call__(self, s: Samples) -> float:
+        return med(s[self.top]) if self.bottom is None else med(s[self.top]) / med(s[self.bottom])
+
+
+# label -> (the ratio, its target or None)
+RATIOS: dict[str, tuple[Ratio, float | None]] = {
+    "quiet: CPU hit / prefix-cache hit, paired": (Ratio("quiet_pairs"), 1.05),
+    "example: CPU hit / ExampleConnector hit, each paired": (Ratio("quiet_pairs", "example_pairs"), 1.0),
+    "example: CPU hit / ExampleConnector hit, unpaired": (Ratio("cpu", "example"), 1.0),
+    "in flight: / prefix-cache hit of its prompt asked at once too, paired": (Ratio("inflight_pairs"), 1.05),
+    "in flight: / prefix-cache hit in its place": (Ratio("inflight", "pc_inflight"), 1.05),
+    "in flight: / later prefix-cache hits, same engine": (Ratio("inflight", "pc"), 1.05),
+    "disk: disk hit / CPU hit, each paired": (Ratio("disk_pairs", "quiet_pairs"), 1.1),
     "control: prefix-cache hit at once beside the in-flight hit / later ones": (
-        lambda s: med(s["pc_at_once"]) / med(s["pc"]),
+        Ratio("pc_at_once", "pc"),
         None,
-        ("pc_at_once", "pc"),
     ),
-    "control: prefix-cache hit in the in-flight place / later ones": (
-        lambda s: med(s["pc_inflight"]) / med(s["pc"]),
-        None,
-        ("pc_inflight", "pc"),
-    ),
+    "control: prefix-cache hit in the in-flight place / later ones": (Ratio("pc_inflight", "pc"), None),
 }
 
 
@@ -162,8 +144,8 @@ def report(names: list[str], lengths: list[int], draws: int, seed: int) -> dict:
     for length in lengths:
         runs = [samples_of(d, length) for d in datas]
         rows = {}
-        for label, (ratio, target, needs) in RATIOS.items():
-            if not all(s[k] for s in runs for k in needs):
+        for label, (ratio, target) in RATIOS.items():
+            if not all(s[k] for s in runs for k in ratio.needs):
                 continue  # some run has none of these requests (another hit_pairs.py design)
             point, low, high = pooled(runs, ratio, draws, rng)
             rows[label] = {
