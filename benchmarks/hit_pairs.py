@@ -418,12 +418,11 @@ def at_once_pairs(engine: dict[str, Any], named: dict[str, dict[str, Any]], keys
     """The in-flight CPU hit against vLLM's hit of the same prompt asked at once too,
     paired: the median ratio over all pairs and over each order apart, and how many
     pairs had the prompt's disk writes still under way at both hits."""
-    ratios = {
-        k: ttft(sample("tiercache", "inflight", k)) / ttft(sample("tiercache", "pc_at_once", k)) for k in keys
-    }
+    pc = {k: ttft(sample("tiercache", "pc_at_once", k)) for k in keys}
+    ratios = {k: ttft(sample("tiercache", "inflight", k)) / pc[k] for k in keys}
     left = {k: objects_left(engine, named, k) for k in keys}
     return {
-        "pc_at_once_ms": 1000 * median([ttft(sample("tiercache", "pc_at_once", k)) for k in keys]),
+        "pc_at_once_ms": 1000 * median(list(pc.values())),
         "inflight_over_pc_at_once_paired": median(list(ratios.values())),
         "inflight_over_pc_at_once_pc_first": median([r for k, r in ratios.items() if k[1] % 2 == 0]),
         "inflight_over_pc_at_once_cpu_first": median([r for k, r in ratios.items() if k[1] % 2 == 1]),
