@@ -21,6 +21,8 @@ each phase of the request's first step:
   forward     the model's forward, with the hit copied in beside it
   token out   the forward's end -> the engine core takes the step's output
   total       received -> output taken
+  gc          time in garbage collections, in any traced process, within total
+  gc_count    how many collections overlapped it
 
 and for `inputs` and `forward`, the worker thread's time running, waiting for a core
 and blocked (neither: the interpreter lock, most often)."""
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PHASES = ("scheduled", "handed", "inputs", "forward", "token_out", "total")
+PHASES = ("scheduled", "handed", "inputs", "forward", "token_out", "total", "gc", "gc_count")
 SPLIT = ("ran", "waited", "blocked")
 
 
@@ -67,10 +69,23 @@ def load(folder: str) -> list[dict[str, Any]]:
     return sorted(marks, key=lambda m: m["t"])
 
 
+def collections(marks: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """(start, stop, generation) of every garbage collection, in any process."""
+    started: dict[tuple[str, str], dict[str, Any]] = {}
+    found = []
+    for mark in marks:
+        if mark["n"] == "gc.start":
+            started[mark["pid"], mark["th"]] = mark
+        elif mark["n"] == "gc.stop" and (begun := started.pop((mark["pid"], mark["th"]), None)):
+            found.append((begun["t"], mark["t"], begun["gen"]))
+    return found
+
+
 class Timeline:
     def __init__(self, marks: list[dict[str, Any]]):
         self.marks = marks  # in time order
         self._times = [mark["t"] for mark in marks]
+        self.collections = collections(marks)
 
     def next(self, name: str, after: float) -> dict[str, Any]:
         for i in range(bisect.bisect_left(self._times, after), len(self.marks)):
@@ -94,11 +109,22 @@ class Timeline:
             "token_out": taken["t"] - forward_end["t"],
             "total": taken["t"] - received["t"],
         }
+        inside = [
+            min(stop, taken["t"]) - max(start, received["t"])
+            for start, stop, _ in self.collections
+            if start < taken["t"] and stop > received["t"]
+        ]
+        row["gc"], row["gc_count"] = sum(inside), len(inside)
         for phase, (a, b) in (("inputs", (starts, forward)), ("forward", (forward, forward_end))):
             ran, waited = b["ran"] - a["ran"], b["waited"] - a["waited"]
             row[f"{phase}_ran"], row[f"{phase}_waited"] = ran, waited
             row[f"{phase}_blocked"] = max(0.0, b["t"] - a["t"] - ran - waited)
         return row
+
+
+def shown(column: str, value: float) -> float:
+    """Times in milliseconds, counts as they are."""
+    return value if column == "gc_count" else 1000 * value
 
 
 def report(folder: str, skip: int, cycle: list[str], each: bool) -> dict[str, dict[str, float]]:
@@ -110,10 +136,11 @@ def report(folder: str, skip: int, cycle: list[str], each: bool) -> dict[str, di
         row = timeline.first_step(mark)
         rows.setdefault(name, []).append(row)
         if each:
-            print(f"{name}/{i // len(cycle)} " + " ".join(f"{k}={1000 * v:.1f}" for k, v in row.items()))
+            print(f"{name}/{i // len(cycle)} " + " ".join(f"{k}={shown(k, v):.1f}" for k, v in row.items()))
     columns = [*PHASES, *(f"{p}_{s}" for p in ("inputs", "forward") for s in SPLIT)]
     medians = {
-        name: {c: 1000 * statistics.median(r[c] for r in got) for c in columns} for name, got in rows.items()
+        name: {c: shown(c, statistics.median(r[c] for r in got)) for c in columns}
+        for name, got in rows.items()
     }
     print("| request (median ms) | " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * len(columns))

@@ -17,7 +17,8 @@ def test_run_installs_the_tracer_in_every_python_process_it_starts(tmp_path):
     # setting must not look like one (it did, and every traced tiercache engine failed).
     child = (
         "import tiercache.connector.worker as w; from tiercache.config import build_config; "
-        "build_config({}); print(w.TierCacheWorker.step_arrives.__wrapped__.__name__)"
+        "build_config({}); print(w.TierCacheWorker.step_arrives.__wrapped__.__name__); "
+        "import gc; print(any(c.__name__ == 'collection' for c in gc.callbacks))"
     )
     out = subprocess.run(
         [sys.executable, str(TOOL), "run", str(tmp_path / "trace"), "--", sys.executable, "-c", child],
@@ -27,23 +28,31 @@ def test_run_installs_the_tracer_in_every_python_process_it_starts(tmp_path):
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "step_arrives"  # wrapped, so traced
+    assert out.stdout.split()[-2:] == ["step_arrives", "True"]  # wrapped, and collections marked
 
 
-def mark(t: float, name: str, ran: float = 0.0, waited: float = 0.0, pid: int = 1) -> tuple[int, dict]:
-    return pid, {"t": t, "n": name, "th": "MainThread", "cpu": ran, "ran": ran, "waited": waited}
+def mark(
+    t: float, name: str, ran: float = 0.0, waited: float = 0.0, pid: int = 1, **extra
+) -> tuple[int, dict]:
+    return pid, {"t": t, "n": name, "th": "MainThread", "cpu": ran, "ran": ran, "waited": waited, **extra}
 
 
 def test_report_splits_the_first_step_into_phases(tmp_path):
     marks = [
+        mark(9.990, "gc.start", pid=1, gen=2),  # 5 of its 15 ms fall inside the step
         mark(10.000, "EngineCore.preprocess_add_request>", pid=1),
+        mark(10.005, "gc.stop", pid=1, gen=2),
         mark(10.001, "Scheduler.schedule>", pid=1),
         mark(10.003, "Scheduler.schedule<", pid=1),
         mark(10.004, "GPUModelRunner.execute_model>", ran=1.000, waited=0.500, pid=2),
         # inputs: 10 ms, of which 2 ran and 3 waited for a core: 5 blocked
         mark(10.014, "GPUModelRunner._model_forward>", ran=1.002, waited=0.503, pid=2),
         mark(10.114, "GPUModelRunner._model_forward<", ran=1.100, waited=0.504, pid=2),
+        mark(10.050, "gc.start", pid=2, gen=0),  # wholly inside: 7 ms
+        mark(10.057, "gc.stop", pid=2, gen=0),
         mark(10.127, "Scheduler.update_from_output>", pid=1),
+        mark(10.200, "gc.start", pid=2, gen=1),  # after the step: not counted
+        mark(10.290, "gc.stop", pid=2, gen=1),
     ]
     folder = tmp_path / "trace"
     folder.mkdir()
@@ -68,6 +77,8 @@ def test_report_splits_the_first_step_into_phases(tmp_path):
         "forward_blocked": 1.0,
         "token_out": 13.0,
         "total": 127.0,
+        "gc": 12.0,
+        "gc_count": 2,
     }
     for phase, ms in expected.items():
         assert abs(medians[phase] - ms) < 1e-6, phase

@@ -10,6 +10,7 @@ interpreter lock, most often)."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import threading
@@ -100,3 +101,10 @@ def install(folder: str) -> None:
     for method in ("_write_task", "_upload_run_task"):
         wrap(TierEngine, method)
     wrap(DiskTier, "put")
+
+    # vLLM freezes the heap it starts with, but a step that allocates much (a cold
+    # prompt's write-down tasks) can still set off a collection inside a later step.
+    def collection(phase: str, info: dict[str, Any]) -> None:
+        mark(f"gc.{phase}", gen=info["generation"], collected=info.get("collected"))
+
+    gc.callbacks.append(collection)
