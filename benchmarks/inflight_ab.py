@@ -5,11 +5,14 @@ to disk and S3 still runs, in two fresh tiercache engines that differ only in
 same prompt in the same engine, asked once the write-through is over.
 
     python benchmarks/inflight_ab.py --length 2000 --prompts 6 --name inflight-ab-1
+    python benchmarks/inflight_ab.py --setting workers --order 4,1,4,1 --length 1000
 
 Engines run in the order given by --order (off,on by default; a second run with on,off
-tells the order's share). S3 is the sink (benchmarks/s3_sink.py) unless --s3-server
-moto. Every hit is checked as in hit_pairs.py: whole prefix cached, first token and top
-logprobs as in the prompt's cold run, every block loaded from the CPU tier."""
+tells the order's share). `--setting` varies another movers setting instead, each
+engine with its own disk folder and S3 prefix. S3 is the sink (benchmarks/s3_sink.py)
+unless --s3-server moto. Every hit is checked as in hit_pairs.py: whole prefix cached,
+first token and top logprobs as in the prompt's cold run, every block loaded from the
+CPU tier."""
 
 from __future__ import annotations
 
@@ -29,6 +32,13 @@ from harness import (
     ttft,
 )
 from hit_pairs import LOADED_BLOCKS, RESET, by_name, hit_problems, tiercache_kv
+
+
+def setting_value(text: str) -> bool | int | str:
+    """A value of --order as the config takes it: on/off, a whole number, or text."""
+    if text in ("on", "off"):
+        return text == "on"
+    return int(text) if text.isdigit() else text
 
 
 def items_for(asks: list[list[int]], length: int, quiet: float) -> list[dict[str, Any]]:
@@ -55,7 +65,8 @@ def main() -> None:
     )
     parser.add_argument("--length", type=int, default=2000)
     parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--order", default="off,on", help="yield_to_loads per engine, in run order")
+    parser.add_argument("--order", default="off,on", help="the setting's value per engine, in run order")
+    parser.add_argument("--setting", default="yield_to_loads", help="the movers setting that differs")
     parser.add_argument("--quiet-seconds", type=float, default=8.0)
     engine_arguments(parser, "/tmp/tiercache-bench-inflight")
     parser.add_argument(
@@ -72,7 +83,8 @@ def main() -> None:
     summary: dict[str, Any] = {}
     problems: list[str] = []
     with store_services(args) as (redis_server, s3_url):
-        for gate in args.order.split(","):
+        for number, value in enumerate(args.order.split(",")):
+            gate = value if args.setting == "yield_to_loads" else f"{args.setting}={value}-{number}"
             disk = work / f"disk-{gate}"
             shutil.rmtree(disk, ignore_errors=True)
             config = {
@@ -80,12 +92,9 @@ def main() -> None:
                 "disk": {"path": str(disk), "load_in_forward": args.load_in_forward == "on"},
                 "redis_url": redis_server.url,
                 "s3": {"bucket": "tiercache-store", "endpoint_url": s3_url, "prefix": f"inflight-{gate}/"},
-                "movers": {
-                    "shutdown_flush_seconds": 300,
-                    "cost_model": "off",
-                    "yield_to_loads": gate == "on",
-                },
+                "movers": {"shutdown_flush_seconds": 300, "cost_model": "off", "yield_to_loads": True},
             }
+            config["movers"][args.setting] = setting_value(value)
             name = f"gate_{gate}"
             runner.run(
                 name,
