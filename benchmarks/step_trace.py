@@ -69,15 +69,15 @@ def load(folder: str) -> list[dict[str, Any]]:
     return sorted(marks, key=lambda m: m["t"])
 
 
-def collections(marks: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
-    """(start, stop, generation) of every garbage collection, in any process."""
+def collections(marks: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, stop) of every garbage collection, in any process."""
     started: dict[tuple[str, str], dict[str, Any]] = {}
     found = []
     for mark in marks:
         if mark["n"] == "gc.start":
             started[mark["pid"], mark["th"]] = mark
         elif mark["n"] == "gc.stop" and (begun := started.pop((mark["pid"], mark["th"]), None)):
-            found.append((begun["t"], mark["t"], begun["gen"]))
+            found.append((begun["t"], mark["t"]))
     return found
 
 
@@ -111,7 +111,7 @@ class Timeline:
         }
         inside = [
             min(stop, taken["t"]) - max(start, received["t"])
-            for start, stop, _ in self.collections
+            for start, stop in self.collections
             if start < taken["t"] and stop > received["t"]
         ]
         row["gc"], row["gc_count"] = sum(inside), len(inside)
