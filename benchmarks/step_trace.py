@@ -12,7 +12,9 @@ The marks cost a few microseconds each; a traced run is not a timing run.
 `report` takes the requests in the order the engine core received them, drops
 `--skip` warm-ups, names the rest by `--cycle` (inflight_ab.py sends cold, in-flight
 hit, prefix-cache hit, quiet CPU hit per prompt) and prints, per name, the median of
-each phase of the request's first step:
+each phase of the request's first step. With `--per-engine` (a run of several engines,
+as inflight_ab.py's A/Bs are) each engine's requests are skipped and named apart, the
+names marked `@<engine's number>`:
 
   scheduled   the engine core received the request -> its scheduler planned the step
   handed      the plan done -> the worker starts the step
@@ -127,16 +129,34 @@ def shown(column: str, value: float) -> float:
     return value if column == "gc_count" else 1000 * value
 
 
-def report(folder: str, skip: int, cycle: list[str], each: bool) -> dict[str, dict[str, float]]:
+def named_requests(
+    marks: list[dict[str, Any]], skip: int, cycle: list[str], per_engine: bool
+) -> list[tuple[str, dict[str, Any]]]:
+    """Each request's received mark and its name from `cycle`, after `skip` warm-ups in
+    the whole run, or in each engine (`per_engine`: engines run one after another,
+    each with its own warm-ups, and a name gets `@<engine's number>`)."""
+    received = [m for m in marks if m["n"] == "EngineCore.preprocess_add_request>"]
+    engines: dict[str, list[dict[str, Any]]] = {}
+    for mark in received:
+        engines.setdefault(mark["pid"] if per_engine else "", []).append(mark)
+    named = []
+    for number, requests in enumerate(engines.values()):
+        suffix = f"@{number}" if per_engine else ""
+        for i, mark in enumerate(requests[skip:]):
+            named.append((f"{cycle[i % len(cycle)]}{suffix}", mark))
+    return named
+
+
+def report(
+    folder: str, skip: int, cycle: list[str], each: bool, per_engine: bool = False
+) -> dict[str, dict[str, float]]:
     timeline = Timeline(load(folder))
-    received = [m for m in timeline.marks if m["n"] == "EngineCore.preprocess_add_request>"][skip:]
     rows: dict[str, list[dict[str, float]]] = {}
-    for i, mark in enumerate(received):
-        name = cycle[i % len(cycle)]
+    for i, (name, mark) in enumerate(named_requests(timeline.marks, skip, cycle, per_engine)):
         row = timeline.first_step(mark)
         rows.setdefault(name, []).append(row)
         if each:
-            print(f"{name}/{i // len(cycle)} " + " ".join(f"{k}={shown(k, v):.1f}" for k, v in row.items()))
+            print(f"{name}/{i} " + " ".join(f"{k}={shown(k, v):.1f}" for k, v in row.items()))
     columns = [*PHASES, *(f"{p}_{s}" for p in ("inputs", "forward") for s in SPLIT)]
     medians = {
         name: {c: shown(c, statistics.median(r[c] for r in got)) for c in columns}
@@ -164,11 +184,16 @@ def main() -> None:
         "--cycle", default="cold,inflight,pc,cpu", help="names of the requests, repeating"
     )
     report_args.add_argument("--each", action="store_true", help="also print every request")
+    report_args.add_argument(
+        "--per-engine",
+        action="store_true",
+        help="skip and name each engine's requests apart (a run of engines one after another)",
+    )
     args = parser.parse_args()
     if args.action == "run":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         sys.exit(run(args.folder, command))
-    report(args.folder, args.skip, args.cycle.split(","), args.each)
+    report(args.folder, args.skip, args.cycle.split(","), args.each, args.per_engine)
 
 
 if __name__ == "__main__":

@@ -82,3 +82,26 @@ def test_report_splits_the_first_step_into_phases(tmp_path):
     }
     for phase, ms in expected.items():
         assert abs(medians[phase] - ms) < 1e-6, phase
+
+
+def test_per_engine_the_report_skips_and_names_each_engines_requests_apart():
+    from_engine = []
+    for core, start in ((1, 10.0), (3, 20.0)):
+        for request in range(3):  # a warm-up, then a cold run and its hit
+            t = start + request
+            from_engine.append({"n": "EngineCore.preprocess_add_request>", "t": t, "pid": str(core)})
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        from step_trace import named_requests
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    named = named_requests(from_engine, skip=1, cycle=["cold", "hit"], per_engine=True)
+    assert [(name, mark["t"]) for name, mark in named] == [
+        ("cold@0", 11.0),
+        ("hit@0", 12.0),
+        ("cold@1", 21.0),
+        ("hit@1", 22.0),
+    ]
+    # The whole run as one: the second engine's warm-up takes a name, and the cycle slips.
+    named = named_requests(from_engine, skip=1, cycle=["cold", "hit"], per_engine=False)
+    assert [name for name, _ in named][2:4] == ["cold", "hit"] and named[2][1]["t"] == 20.0
