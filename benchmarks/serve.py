@@ -130,7 +130,6 @@ COUNTERS = {
     "tiercache_stores_dropped": ("vllm:tiercache_stores_dropped_total", {}),
     "tiercache_write_holds": ("vllm:tiercache_write_holds_total", {}),
     "tiercache_write_holds_refused": ("vllm:tiercache_write_holds_refused_total", {}),
-    "tiercache_write_holds_early": ("vllm:tiercache_write_holds_early_total", {}),
 }
 IN_FLIGHT = ("vllm:tiercache_loads_in_flight", "vllm:tiercache_stores_in_flight")
 

@@ -21,7 +21,6 @@ from tiercache.block_hashing import BlockHashing, shareable_seed
 from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
 
-from .early_hold import EarlyHold
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
@@ -112,20 +111,10 @@ class TierCacheConnector(KVConnectorBase_V1):
         self.slot_bytes = slot_bytes_for(kv_cache_config)
         self.scheduler: TierCacheScheduler | None = None
         self.worker: TierCacheWorker | None = None
-        # Names the workers' gate pages, which the scheduler's process joins.
-        engine_id = self._kv_transfer_config.engine_id or ""
         if role == KVConnectorRole.SCHEDULER:
             from vllm.platforms import current_platform
 
             events = vllm_config.kv_events_config
-            movers = self.config.movers
-            early_hold = (
-                EarlyHold(engine_id, self.tp_size)
-                if current_platform.device_type == "cpu"
-                and movers.yield_to_loads
-                and movers.hold_from_scheduler
-                else None
-            )
             self.scheduler = TierCacheScheduler(
                 self.config,
                 specs,
@@ -134,7 +123,6 @@ class TierCacheConnector(KVConnectorBase_V1):
                 hashing=block_hashing(vllm_config, specs[0].block_size),
                 kv_events=bool(events is not None and events.enable_kv_cache_events),
                 kv_in_host_memory=current_platform.device_type == "cpu",
-                early_hold=early_hold,
             )
             self._gauges = GaugeReport("scheduler")
         else:
@@ -151,7 +139,6 @@ class TierCacheConnector(KVConnectorBase_V1):
                 tp_rank=rank,
                 writes_lower_tiers=len(specs) > 1 or rank == 0,
                 disk_share=disk_share,
-                engine_id=engine_id,
             )
 
     @classmethod

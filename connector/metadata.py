@@ -53,11 +53,6 @@ class TierCacheMetadata(KVConnectorMetadata):
     # tiercache hit's, so the worker holds the write-down for it too (foreground.py).
     reuses_prefix: bool = False
 
-    @property
-    def loads_synchronously(self) -> bool:
-        """The step's forward copies hits in (CPU hits, and disk hits read in the forward)."""
-        return any(not job.is_async for job in self.loads)
-
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank
 # made them. The scheduler acts on a success once every TP rank has reported it, on a

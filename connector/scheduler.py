@@ -31,7 +31,6 @@ from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk import DiskLayout
 
 from .cost_model import LoadCostModel
-from .early_hold import EarlyHold
 from .events import TierEvents
 from .ledger import ReportLedger
 from .load_failures import RecentLoadFailures
@@ -115,16 +114,13 @@ class TierCacheScheduler:
         hashing: BlockHashing | None = None,
         kv_events: bool = False,
         kv_in_host_memory: bool = False,
-        early_hold: EarlyHold | None = None,
     ):
         """`hashing`: how vLLM names this deployment's blocks, registered for the
         service's token lookups; `kv_events`: vLLM publishes KV events, so tier
         changes are kept for `take_events`; `kv_in_host_memory`: the paged KV is in
         host memory (vLLM's CPU backend), where disk hits may be read into it during
-        the forward; `early_hold`: the workers' gates, held from here as a step that
-        serves a hit is planned (early_hold.py)."""
+        the forward."""
         self.config = config
-        self.early_hold = early_hold
         # A hit with no S3 block then loads synchronously, its disk blocks through no
         # CPU slot (connector/disk_reads.py).
         self.disk_in_forward = reads_disk_in_forward(config, kv_in_host_memory, tp_size=specs[0].tp_size)
@@ -242,8 +238,6 @@ class TierCacheScheduler:
 
     def close(self) -> None:
         """The engine shuts down: this instance's presence leaves Redis now."""
-        if self.early_hold is not None:
-            self.early_hold.close()
         if self.tier_events is not None and self.tier_events.presence is not None:
             self.tier_events.presence.close()
 
@@ -439,10 +433,6 @@ class TierCacheScheduler:
             loads_early=not _touches_blocks_before_forward(scheduler_output),
             reuses_prefix=_starts_over_cached_blocks(scheduler_output),
         )
-        if self.early_hold is not None and (meta.reuses_prefix or meta.loads_synchronously):
-            # The worker will hold the movers for this step (worker._holds_for): from
-            # now, rather than once vLLM has handed the step over.
-            self.early_hold.announce()
         if self.cost is not None and self._computes_prompt(scheduler_output):
             meta.timed_tokens = scheduler_output.total_num_scheduled_tokens
         self._pending_loads = []

@@ -45,11 +45,6 @@ _PLAIN_COUNTERS = {
         "write_holds_refused",
         "Steps serving hits that did not hold the write-down back: holds had taken their share",
     ),
-    "vllm:tiercache_write_holds_early": (
-        "write_holds_early",
-        "Holds of the write-down that began in the scheduler, as it planned the step serving "
-        "hits, before vLLM handed the step to the worker",
-    ),
 }
 # The scheduler's cost-model decisions (cost_model.py), one per request and tier.
 DECISIONS = ("load", "skip")

@@ -24,7 +24,6 @@ from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
 from .disk_reads import DiskRead, DiskReads
-from .early_hold import publish_gate_page
 from .forward_timer import ForwardTimer
 from .layerwise import LayerwiseLoad
 from .layerwise_gpu import StreamLayerwiseLoad, StreamLayerwiseSave
@@ -91,12 +90,8 @@ class TierCacheWorker:
         tp_rank: int,
         writes_lower_tiers: bool,
         disk_share: int,
-        engine_id: str | None = None,
     ):
-        """`engine_id`: vLLM's id of this engine, under which the worker publishes its
-        foreground gate for the scheduler's process (early_hold.py); None: it does not."""
         self.config = config
-        self.engine_id = engine_id
         self.spec = spec
         self.model_digest = model_digest
         self.num_blocks = num_blocks
@@ -118,8 +113,7 @@ class TierCacheWorker:
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
-        # The gate's holds, refused holds and holds begun by the scheduler already in stats.
-        self._holds_reported = (0, 0, 0)
+        self._holds_reported = (0, 0)  # the gate's holds and refused holds already in stats
         self._arrived: TierCacheMetadata | None = None  # the step step_arrives saw last
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
@@ -183,19 +177,12 @@ class TierCacheWorker:
         shape = ObjectShape(
             self.model_digest, self.spec.digest(), copier.slot_bytes, layout, dtype, shapes, offsets
         )
-        movers = self.config.movers
-        holds_early = not copier.on_cuda and movers.yield_to_loads and movers.hold_from_scheduler
         self.engine = TierEngine(
             self.config,
             shape,
             self.buffer,
             disk_capacity=self.disk_share,
             on_disk_remove=self._on_disk_remove,
-            gate_page=(
-                publish_gate_page(self.engine_id, self.tp_rank)
-                if holds_early and self.engine_id is not None
-                else None
-            ),
         )
         log.info(
             "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s%s",
@@ -288,7 +275,7 @@ class TierCacheWorker:
         spare core its token goes through (foreground.py). A prefix-cache hit asked
         while its prompt was still being written down took 1.21-1.26x the later ones
         without the hold (docs/benchmarks-e2e.md, "Runs 31 to 34")."""
-        loads_hits = bool(self._layerwise) or meta.loads_synchronously
+        loads_hits = bool(self._layerwise) or any(not job.is_async for job in meta.loads)
         on_cpu_backend = self.copier is not None and not self.copier.on_cuda
         serves_hit = loads_hits or meta.reuses_prefix
         return serves_hit and on_cpu_backend and self.config.movers.yield_to_loads
@@ -671,8 +658,7 @@ class TierCacheWorker:
             gate = self.engine.foreground
             self._stats.add("write_holds", gate.holds - self._holds_reported[0])
             self._stats.add("write_holds_refused", gate.skipped - self._holds_reported[1])
-            self._stats.add("write_holds_early", gate.early_holds - self._holds_reported[2])
-            self._holds_reported = (gate.holds, gate.skipped, gate.early_holds)
+            self._holds_reported = (gate.holds, gate.skipped)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, TierCacheStats()

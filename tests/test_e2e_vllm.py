@@ -169,8 +169,7 @@ def test_embedded_default_config(model, workdir, reference):
 
 def test_a_prefix_cache_hit_holds_the_write_down_like_a_tiercache_hit(model, workdir, reference):
     """vLLM's own hit of a prompt whose write-down to disk still runs: its step holds
-    the write-down back, as a tiercache hit's does (foreground.py), from the moment the
-    scheduler planned it, in the engine core's process (early_hold.py); the cold run's
+    the write-down back, as a tiercache hit's does (foreground.py); the cold run's
     steps do not."""
     config = {"disk": {"path": str(workdir / "disk-prefix-hold")}, "movers": {"yield_to_loads": True}}
     out = engine(
@@ -180,7 +179,7 @@ def test_a_prefix_cache_hit_holds_the_write_down_like_a_tiercache_hit(model, wor
         prompts(("p1", P1), ("p1", P1)),
         enable_prefix_caching=True,
         log_stats=True,
-        counters="vllm:tiercache_write_holds_early",
+        counters="vllm:tiercache_write_holds",
     )
     cold, hit = out["results"]
     assert (cold["num_cached_tokens"], hit["num_cached_tokens"]) == (0, 9 * BLOCK)

@@ -129,9 +129,7 @@ def test_the_engine_writes_nothing_down_while_the_gate_is_held(tmp_path):
         engine.close()
 
 
-def cpu_backend_worker(
-    tmp_path, yield_to_loads: bool = True, engine_id: str | None = None, **movers
-) -> TierCacheWorker:
+def cpu_backend_worker(tmp_path, yield_to_loads: bool = True) -> TierCacheWorker:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     kv = {name: torch.randn(8, 2, 16, 8) for name in layers}
     slot_bytes = PagedKVCopier(kv, 8).slot_bytes
@@ -139,13 +137,11 @@ def cpu_backend_worker(
         {
             "cpu": {"capacity": 4 * slot_bytes},
             "disk": {"path": str(tmp_path / "disk")},
-            "movers": {"yield_to_loads": yield_to_loads, **movers},
+            "movers": {"yield_to_loads": yield_to_loads},
         }
     )
     spec = KVSpec("m", "", "float32", "auto", 16, "cpu", 2, 2, 8, 1, 0, "t", slot_bytes)
-    worker = TierCacheWorker(
-        config, spec, "gate", 8, tp_rank=0, writes_lower_tiers=True, disk_share=1 << 24, engine_id=engine_id
-    )
+    worker = TierCacheWorker(config, spec, "gate", 8, tp_rank=0, writes_lower_tiers=True, disk_share=1 << 24)
     worker.register_kv_caches(kv, slot_bytes)
     return worker
 

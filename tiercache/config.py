@@ -195,11 +195,6 @@ class MoverConfig(_Strict):
     # serving runs with it on and off served the same (docs/benchmarks-e2e.md, "The
     # write-down gate under serving load").
     yield_to_loads: bool = True
-    hold_from_scheduler: bool = Field(
-        default=True,
-        description="with yield_to_loads: the hold begins in the engine core as it plans a step that "
-        "serves a hit, 2-3 ms before vLLM hands the step to the worker (connector/early_hold.py)",
-    )
     upload_slot_share: float = Field(
         default=0.5,
         gt=0,

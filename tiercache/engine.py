@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config import TierCacheConfig
-from tiercache.foreground import ForegroundGate, GateFlag
+from tiercache.foreground import ForegroundGate
 from tiercache.index import Deployment, RedisIndex
 from tiercache.leases import Leases
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
@@ -75,10 +75,7 @@ class TierEngine:
         redis: GuardedRedis | None = None,
         s3: S3Tier | None = None,
         on_disk_remove: Callable[[str], None] | None = None,
-        gate_page: GateFlag | None = None,
     ):
-        """`gate_page`: the foreground gate's shared page, when the caller published
-        one for the scheduler's process (connector/early_hold.py)."""
         self.config = config
         self.shape = shape
         self.buffer = buffer
@@ -119,7 +116,7 @@ class TierEngine:
         # Held by the connector's worker while a forward that loads hits runs on the
         # CPU backend (see foreground.py); never held elsewhere. The upload process
         # follows it through a shared page.
-        self.foreground = ForegroundGate(shared=uploads_apart, flag=gate_page)
+        self.foreground = ForegroundGate(shared=uploads_apart)
         if self.disk is not None:
             self.disk.pace = self.foreground.wait
         if self.s3 is not None and s3 is None:

@@ -23,23 +23,13 @@ preparing its inputs and 4-5 ms more handing its token on than a quiet one, with
 hold covering the forward only. Steps that load hits one after another share one
 hold, so its `max_hold` bounds how long the whole run of them keeps writes back.
 
-The hold can start earlier still, in the scheduler's process (the engine core), when
-it plans a step that serves a hit (`GateFlag.announce`): vLLM then spends 2-3 ms
-sending the step to the worker process, and a block a mover starts in that time, with
-its copy holding the interpreter lock, delays the step's input preparation. The
-worker publishes its gate's page under a name the scheduler can find (connector/
-early_hold.py); the announcement lasts `EARLY_HOLD` seconds at most, and the worker's
-hold takes it over when the step arrives, counting it as part of the hold.
-
 Stores must not starve under a steady stream of hits, so a hold keeps writes back for
 at most `max_hold` seconds, however many pieces they wait at, and no hold starts while
 holds took more than `max_share` of the last `window` seconds: past that, hits and
-writes share the bus as before. The page carries when that refusal ends, so the
-scheduler announces nothing the worker would refuse."""
+writes share the bus as before."""
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
@@ -49,16 +39,7 @@ from collections.abc import Callable
 
 # How often a follower in another process looks at a hold it waits on.
 _POLL_SECONDS = 0.001
-_TIME = struct.Struct("d")
-# The page: times on `time.monotonic()`, the same clock in every process of the host.
-_HOLD_ENDS = 0  # when the worker's hold under way stops holding anyone; 0: none is
-_EARLY_FROM = 8  # when the scheduler announced a step that serves a hit
-_EARLY_UNTIL = 16  # when that announcement lapses if no step takes it over; 0: none
-_REFUSED_UNTIL = 24  # until when the worker refuses holds (their share is spent)
-# How long an announcement holds the movers at most, should the step never arrive.
-# vLLM hands a step over in 2-3 ms on a 2-core host, and the step's arrival always ends
-# the announcement; the bound only guards against a worker that never gets the step.
-EARLY_HOLD = 0.05
+_DEADLINE = struct.Struct("d")
 # How long a hold lingers after the forward of a step that loaded hits, when no next
 # step begins sooner: the step's sampling and the trip of its token through the engine
 # core to the front end (about 13 ms for a 2000-token hit on a 2-core host).
@@ -66,92 +47,36 @@ OUTPUT_GRACE = 0.03
 
 
 class GateFlag:
-    """The gate's state in a shared page, for the upload process (which follows holds)
-    and the scheduler's process (which announces them early). By default an anonymous
-    memory file: the upload process gets its descriptor (pass_fds), so nothing is left
-    in /dev/shm if either process dies. `published` names it in /dev/shm for the
-    scheduler, which unlinks the name once it has joined (`joined`)."""
+    """The gate's state for the upload process, in a shared page: when the hold under
+    way stops holding anyone (`time.monotonic()`, the same clock in every process of
+    the host), 0 when none is. An anonymous memory file: the child gets its descriptor
+    (pass_fds), so nothing is left in /dev/shm if either process dies."""
 
-    def __init__(self, fd: int | None = None, path: str | None = None):
+    def __init__(self, fd: int | None = None):
         self.fd = os.memfd_create("tiercache-gate") if fd is None else fd
         if fd is None:
             os.ftruncate(self.fd, mmap.PAGESIZE)
         self._map = mmap.mmap(self.fd, mmap.PAGESIZE)
-        self.path = path  # the name published, until closed
-
-    @classmethod
-    def published(cls, path: str) -> GateFlag:
-        """A new page under `path` (replacing a stale one a dead process left there)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(fd, mmap.PAGESIZE)
-        return cls(fd, path)
-
-    @classmethod
-    def joined(cls, path: str) -> GateFlag:
-        """The page another process published under `path`; the name goes, the page
-        stays for both. FileNotFoundError when nothing is published there."""
-        fd = os.open(path, os.O_RDWR)
-        os.unlink(path)
-        return cls(fd)
-
-    def _get(self, offset: int) -> float:
-        return _TIME.unpack_from(self._map, offset)[0]
-
-    def _put(self, offset: int, value: float) -> None:
-        _TIME.pack_into(self._map, offset, value)
 
     @property
     def ends_at(self) -> float:
-        return self._get(_HOLD_ENDS)
+        return _DEADLINE.unpack_from(self._map)[0]
 
     @property
     def held(self) -> bool:
-        """A hold or an announcement is under way: writes wait."""
-        return time.monotonic() < max(self.ends_at, self.early_until)
+        return time.monotonic() < self.ends_at
 
     def set(self, ends_at: float) -> None:
-        self._put(_HOLD_ENDS, ends_at)
-
-    # -- the scheduler's announcement ----------------------------------------------
-    @property
-    def early_until(self) -> float:
-        return self._get(_EARLY_UNTIL)
-
-    def announce(self, seconds: float = EARLY_HOLD) -> bool:
-        """The scheduler planned a step that serves a hit: writes wait from now until
-        the worker's hold takes over, `seconds` at most. False (nothing announced)
-        while the worker refuses holds."""
-        now = time.monotonic()
-        if now < self._get(_REFUSED_UNTIL):
-            return False
-        self._put(_EARLY_FROM, now)
-        self._put(_EARLY_UNTIL, now + seconds)
-        return True
-
-    def take_early(self) -> float | None:
-        """When the announcement under way began, ending it; None when none is."""
-        until = self.early_until
-        if until == 0.0:
-            return None
-        self._put(_EARLY_UNTIL, 0.0)
-        return self._get(_EARLY_FROM) if time.monotonic() < until else None
-
-    def refuse_until(self, at: float) -> None:
-        self._put(_REFUSED_UNTIL, at)
+        _DEADLINE.pack_into(self._map, 0, ends_at)
 
     def close(self) -> None:
         self._map.close()
         os.close(self.fd)
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):  # the scheduler joined
-                os.unlink(self.path)
-            self.path = None
 
 
 class GateFollower:
     """The upload process's side of a GateFlag: its writes wait while the worker holds
-    the gate or the scheduler announced a hold, never past the bound the page carries
-    (the worker's max_hold, the announcement's EARLY_HOLD)."""
+    the gate, never past the bound the page carries (the worker's max_hold)."""
 
     def __init__(self, fd: int):
         self.flag = GateFlag(fd)
@@ -173,10 +98,8 @@ class ForegroundGate:
         window: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         shared: bool = False,
-        flag: GateFlag | None = None,
     ):
-        """`shared`: mirror holds into a GateFlag (`flag`) that another process follows;
-        `flag`: that page, when the caller made it (a published one)."""
+        """`shared`: mirror holds into a GateFlag (`flag`) that another process follows."""
         self.max_hold = max_hold
         self.max_share = max_share
         self.window = window
@@ -192,15 +115,13 @@ class ForegroundGate:
         self._counted_at = clock()
         self.holds = 0  # holds started (for tests and stats)
         self.skipped = 0  # holds refused because the budget was spent
-        self.early_holds = 0  # holds that took over the scheduler's announcement
-        self.flag = flag if flag is not None else GateFlag() if shared else None
+        self.flag = GateFlag() if shared else None
 
     def hold(self) -> bool:
         """A step that loads hits starts its forward. False (and nothing held) when
         holds already took their share of the recent window."""
         with self._lock:
             now = self.clock()
-            announced = self.flag.take_early() if self.flag is not None else None
             self._end_if_over(now)
             if self._held_since is not None:
                 # A hold still lingering after the last step goes on for this one.
@@ -211,12 +132,7 @@ class ForegroundGate:
             self._decay(now)
             if self._held_seconds >= self.max_share * self.window:
                 self.skipped += 1
-                self._publish_refusal()
                 return False
-            if announced is not None:
-                # The hold began with the announcement: it counts from there.
-                self.early_holds += 1
-                now -= max(0.0, time.monotonic() - announced)
             self._held_since = now
             self.holds += 1
             self._open.clear()
@@ -227,8 +143,6 @@ class ForegroundGate:
     def release(self) -> None:
         """The step that loaded hits is over: the movers may go on."""
         with self._lock:
-            if self.flag is not None:
-                self.flag.take_early()  # a step that holds nothing ends an announcement
             if self._held_since is not None:
                 self._end(self.clock())
 
@@ -258,40 +172,18 @@ class ForegroundGate:
         self._until = None
         if self.flag is not None:
             self.flag.set(0.0)
-        self._publish_refusal()
         self._open.set()
-
-    def _publish_refusal(self) -> None:
-        """Tells the scheduler until when holds are refused, so it announces none: the
-        time the decaying hold seconds take to fall back under the share (at least;
-        later holds' decay makes it sooner)."""
-        limit = self.max_share * self.window
-        if self.flag is not None and self._held_seconds >= limit:
-            fading = self.window * (1.0 - limit / self._held_seconds)
-            self.flag.refuse_until(time.monotonic() + fading)
 
     def wait(self) -> None:
         """A mover about to start a block, or a piece of one: waits while a hold lasts,
         no longer than the hold's first max_hold seconds: a write waits for one hold
         at most that long, whatever the number of its pieces."""
         ends = self._ends_at()  # no lock on the path of every piece
-        if ends is None and self.flag is not None:
-            self._wait_announced(self.flag)
-            ends = self._ends_at()
         if ends is None:
             return
         left = ends - self.clock()
         if left > 0:
             self._open.wait(left)
-
-    def _wait_announced(self, flag: GateFlag) -> None:
-        """Waits while the scheduler's announcement lasts, until the worker's hold takes
-        it over (then `wait` waits on that) or the worker ends it."""
-        try:
-            while self._held_since is None and time.monotonic() < flag.early_until:
-                time.sleep(_POLL_SECONDS)
-        except ValueError:  # the page was closed under a mover at shutdown
-            return
 
     def _ends_at(self) -> float | None:
         """When the hold under way stops holding anyone; None when there is none."""
