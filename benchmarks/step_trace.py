@@ -152,11 +152,12 @@ def report(
 ) -> dict[str, dict[str, float]]:
     timeline = Timeline(load(folder))
     rows: dict[str, list[dict[str, float]]] = {}
-    for i, (name, mark) in enumerate(named_requests(timeline.marks, skip, cycle, per_engine)):
+    for name, mark in named_requests(timeline.marks, skip, cycle, per_engine):
         row = timeline.first_step(mark)
         rows.setdefault(name, []).append(row)
-        if each:
-            print(f"{name}/{i} " + " ".join(f"{k}={shown(k, v):.1f}" for k, v in row.items()))
+        if each:  # the name, and which of its kind (the prompt's number)
+            values = " ".join(f"{k}={shown(k, v):.1f}" for k, v in row.items())
+            print(f"{name}/{len(rows[name]) - 1} {values}")
     columns = [*PHASES, *(f"{p}_{s}" for p in ("inputs", "forward") for s in SPLIT)]
     medians = {
         name: {c: shown(c, statistics.median(r[c] for r in got)) for c in columns}
