@@ -12,6 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "benchmarks" / "step_trace.py"
 
 
+def step_trace():
+    """The tool as a module (it runs as a script, from the benchmarks folder)."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import step_trace
+
+        return step_trace
+    finally:
+        sys.path.remove(str(TOOL.parent))
+
+
 def test_run_installs_the_tracer_in_every_python_process_it_starts(tmp_path):
     # build_config reads TIERCACHE_* overrides and refuses unknown keys: the tracer's own
     # setting must not look like one (it did, and every traced tiercache engine failed).
@@ -59,12 +70,7 @@ def test_report_splits_the_first_step_into_phases(tmp_path):
     for pid in (1, 2):
         lines = [json.dumps(m) for p, m in marks if p == pid]
         (folder / f"{pid}.jsonl").write_text("\n".join(lines) + "\n")
-    sys.path.insert(0, str(TOOL.parent))
-    try:
-        from step_trace import report
-    finally:
-        sys.path.remove(str(TOOL.parent))
-    medians = report(str(folder), skip=0, cycle=["hit"], each=False)["hit"]
+    medians = step_trace().report(str(folder), skip=0, cycle=["hit"], each=False)["hit"]
     expected = {
         "scheduled": 3.0,
         "handed": 1.0,
@@ -90,11 +96,7 @@ def test_per_engine_the_report_skips_and_names_each_engines_requests_apart():
         for request in range(3):  # a warm-up, then a cold run and its hit
             t = start + request
             from_engine.append({"n": "EngineCore.preprocess_add_request>", "t": t, "pid": str(core)})
-    sys.path.insert(0, str(TOOL.parent))
-    try:
-        from step_trace import named_requests
-    finally:
-        sys.path.remove(str(TOOL.parent))
+    named_requests = step_trace().named_requests
     named = named_requests(from_engine, skip=1, cycle=["cold", "hit"], per_engine=True)
     assert [(name, mark["t"]) for name, mark in named] == [
         ("cold@0", 11.0),
