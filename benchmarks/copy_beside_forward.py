@@ -93,7 +93,7 @@ class Hit:
 
     def __init__(self, blocks: int):
         self.blocks = blocks
-        self.slots = torch.ones(blocks, PIECES_PER_BLOCK, PIECE, dtype=torch.uint8)
+        self.slots = torch.randint(0, 256, (blocks, PIECES_PER_BLOCK, PIECE), dtype=torch.uint8)
         self.kv = torch.zeros(PIECES_PER_BLOCK, blocks, PIECE, dtype=torch.uint8)
         count = blocks * PIECES_PER_BLOCK
         pointers = ctypes.c_void_p * count
@@ -104,6 +104,13 @@ class Hit:
         self.dsts = pointers(
             *[self.kv[p, b].data_ptr() for p in range(PIECES_PER_BLOCK) for b in range(blocks)]
         )
+
+    def check(self, copy, primitive: str) -> None:
+        """Run `copy` once into a cleared KV and compare it with the slots."""
+        self.kv.zero_()
+        copy()
+        if not torch.equal(self.kv, self.slots.transpose(0, 1)):
+            raise SystemExit(f"the {primitive} copy did not move the bytes intact")
 
     @property
     def nbytes(self) -> int:
@@ -176,8 +183,8 @@ def main() -> None:
 
         thread = threading.Thread(target=copy_thread)
         thread.start()
-        for fn in copies.values():  # touch every page first
-            fn()
+        for primitive, copy in copies.items():  # touches every page first, too
+            hit.check(copy, primitive)
         rows: dict[str, dict[str, list[float]]] = {
             p: {"alone": [], "beside": [], "copy": []} for p in primitives
         }
