@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from harness import machine, median, save
+from memory_bus import pinned_forward_like
 
 PIECE = 128 << 10  # one layer's K (or V) of one 32-token block: 32 x 8 heads x 128 x 4 bytes
 PIECES_PER_BLOCK = 16  # 8 layers, K and V
@@ -144,18 +145,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--name", default="copy-beside-forward")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("needs two cores: one for the forward-like loop, one for the copy")
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {cores[0]})
-    weights = [torch.randn(2048, 1024) for _ in range(args.weights_mib // 8)]
-    x = torch.randn(16, 1024)
+    cores, forward_like = pinned_forward_like(args.weights_mib)
 
     def forward() -> float:
         began = time.perf_counter()
-        for w in weights:
-            torch.mm(x, w.t())
+        forward_like()
         return 1000 * (time.perf_counter() - began)
 
     hit = Hit(args.blocks)

@@ -14,6 +14,7 @@ import argparse
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from harness import machine, median, save
@@ -22,6 +23,21 @@ from harness import machine, median, save
 def forward_like(weights: list[torch.Tensor], x: torch.Tensor) -> None:
     for w in weights:
         torch.mm(x, w.t())
+
+
+def pinned_forward_like(weights_mib: int) -> tuple[list[int], Callable[[], None]]:
+    """This process's cores, and the forward-like loop (16 query tokens through
+    `weights_mib` of float32 weights) on one thread bound to the first of them: the
+    other cores are the copy's."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("needs two cores: one for the forward-like loop, one for the copy")
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {cores[0]})
+    matrix_mib = 8  # 2048 x 1024 float32
+    weights = [torch.randn(2048, 1024) for _ in range(weights_mib // matrix_mib)]
+    x = torch.randn(16, 1024)
+    return cores, lambda: forward_like(weights, x)
 
 
 def timed(fn, repeats: int) -> float:
@@ -42,15 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--name", default="memory-bus")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("needs two cores: one for the forward-like loop, one for the copy")
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {cores[0]})
-    matrix_mib = 8  # 2048 x 1024 float32
-    weights = [torch.randn(2048, 1024) for _ in range(args.weights_mib // matrix_mib)]
-    x = torch.randn(16, 1024)
-    forward = lambda: forward_like(weights, x)  # noqa: E731
+    cores, forward = pinned_forward_like(args.weights_mib)
     forward()
     alone = timed(forward, args.repeats)
 
