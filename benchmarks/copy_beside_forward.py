@@ -93,12 +93,9 @@ class Hit:
     """The source slots (block-major) and destination KV (layer-major) of one hit."""
 
     def __init__(self, blocks: int):
-        self.blocks = blocks
         self.slots = torch.randint(0, 256, (blocks, PIECES_PER_BLOCK, PIECE), dtype=torch.uint8)
         self.kv = torch.zeros(PIECES_PER_BLOCK, blocks, PIECE, dtype=torch.uint8)
-        count = blocks * PIECES_PER_BLOCK
-        pointers = ctypes.c_void_p * count
-        self.count = count
+        pointers = ctypes.c_void_p * (blocks * PIECES_PER_BLOCK)
         self.srcs = pointers(
             *[self.slots[b, p].data_ptr() for p in range(PIECES_PER_BLOCK) for b in range(blocks)]
         )
@@ -130,7 +127,7 @@ class Hit:
         assert library is not None
         streaming = int(primitive == "nt")
         return lambda: library.copy_pieces(
-            self.dsts, self.srcs, ctypes.c_size_t(self.count), ctypes.c_size_t(PIECE), streaming
+            self.dsts, self.srcs, ctypes.c_size_t(len(self.srcs)), ctypes.c_size_t(PIECE), streaming
         )
 
 
