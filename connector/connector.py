@@ -130,7 +130,9 @@ class TierCacheConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
             spec = specs[rank] if len(specs) > 1 else specs[0]
-            disk_share = self.config.disk.capacity // len(specs) if self.config.disk else 0
+            # The capacity is the disk root's, one budget shared by every rank (and
+            # every engine) on it: each rank's tier evicts across all of them.
+            disk_share = self.config.disk.capacity if self.config.disk else 0
             self.worker = TierCacheWorker(
                 self.config,
                 spec,

@@ -232,9 +232,9 @@ def test_weights_fingerprint_reads_config_and_weight_files(model_dir, tmp_path):
 # -- TP ranks sharing one disk root (issue 16, defect 11) -------------------------------------
 
 
-def fill(tier: DiskTier, digest: str, count: int, size: int = SLOT) -> list[str]:
+def fill(tier: DiskTier, digest: str, count: int, size: int = SLOT, first: int = 0) -> list[str]:
     keys = []
-    for i in range(count):
+    for i in range(first, first + count):
         key = f"{digest}/{i:064x}"
         data = memoryview(bytes([i]) * size)
         shape = ObjectShape("m" * 16, digest, size)
@@ -244,39 +244,53 @@ def fill(tier: DiskTier, digest: str, count: int, size: int = SLOT) -> list[str]
     return keys
 
 
-def test_each_rank_indexes_only_its_own_objects_after_a_restart(tmp_path):
+def test_ranks_on_one_root_share_its_budget_and_hear_of_their_objects_evicted(tmp_path):
+    """Each rank's tier lists its own objects only, but the capacity is the root's:
+    a rank that stores evicts the least recently used of every rank, and the rank
+    whose objects went hears of it (its scheduler stops counting them on disk)."""
     root = tmp_path / "disk"
     rank0, rank1 = "0" * 15 + "a", "0" * 15 + "b"
-    keys0 = fill(DiskTier(root, 1 << 30), rank0, 4)
     keys1 = fill(DiskTier(root, 1 << 30), rank1, 4)
+    keys0 = fill(DiskTier(root, 1 << 30), rank0, 4)
     object_bytes = DiskTier(root, 1 << 30, digest=rank0).usage_bytes() // 4
 
-    # Restarted ranks, each with a share of the capacity that holds its own 4 objects.
-    share = 5 * object_bytes
-    tier0 = DiskTier(root, share, digest=rank0)
-    tier1 = DiskTier(root, share, digest=rank1)
+    budget = 9 * object_bytes  # both ranks' 8 objects, and one more
+    removed1: list[str] = []
+    tier0 = DiskTier(root, budget, digest=rank0)
+    tier1 = DiskTier(root, budget, digest=rank1, on_remove=removed1.append)
     assert sorted(tier0.keys()) == keys0 and sorted(tier1.keys()) == keys1
-    assert all(tier0.path_of(k).exists() for k in keys0 + keys1)
 
-    # Rank 0 fills its share: it evicts its own oldest objects, never rank 1's.
+    # Rank 0 stores 4 more: the root keeps 9, and rank 1's 3 oldest (older than any
+    # of rank 0's) make the room.
     fill(tier0, rank0, 8)
-    assert tier0.usage_bytes() <= share
-    assert all(tier1.path_of(k).exists() for k in keys1)
-    assert sorted(DiskTier(root, 1 << 30, digest=rank1).keys()) == keys1
+    assert DiskTier(root, 1 << 30).usage_bytes() <= budget
+    assert tier1.keys() == keys1[3:]
+    assert [tier1.path_of(k).exists() for k in keys1] == [False, False, False, True]
+    assert not tier1.get_into(keys1[0], memoryview(bytearray(SLOT)))  # a miss
+    # Rank 1 hears of the three at its next store, which evicts its own oldest.
+    (new,) = fill(tier1, rank1, 1, first=4)
+    assert set(removed1) == set(keys1)
+    assert tier1.keys() == [new] and len(DiskTier(root, 1 << 30).keys()) == 9
 
 
-def test_tier_engines_of_two_ranks_on_one_root_keep_each_others_files(tmp_path):
-    """What the connector's workers do: one TierEngine per rank, one disk root."""
+
+
+def test_tier_engines_of_two_ranks_on_one_root_keep_one_budget(tmp_path):
+    """What the connector's workers do: one TierEngine per rank on one disk root,
+    each given the root's whole capacity."""
     root = tmp_path / "disk"
     shapes = [ObjectShape("m" * 16, uuid.uuid4().hex[:16], SLOT) for _ in range(2)]
     seeded = {shape.rank_digest: fill(DiskTier(root, 1 << 30), shape.rank_digest, 3) for shape in shapes}
-    share = 3 * shapes[0].object_bytes
-    engines = [engine_over(root, shape, capacity=share) for shape in shapes]
+    budget = 8 * shapes[0].object_bytes
+    engines = [engine_over(root, shape, capacity=budget) for shape in shapes]
     try:
         for engine, shape in zip(engines, shapes, strict=True):
             assert sorted(engine.disk.keys()) == seeded[shape.rank_digest]
         fill(engines[0].disk, shapes[0].rank_digest, 6)
-        assert all(engines[1].disk.path_of(k).exists() for k in seeded[shapes[1].rank_digest])
+        assert DiskTier(root, 1 << 30).usage_bytes() <= budget
+        left = engines[1].disk.keys()
+        assert left == seeded[shapes[1].rank_digest][1:]  # its oldest made the room
+        assert all(engines[1].disk.path_of(k).exists() for k in left)
     finally:
         for engine in engines:
             engine.close()

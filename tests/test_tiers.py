@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,8 @@ from safetensors import safe_open
 from tiercache.config import S3TierConfig
 from tiercache.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk import TMP_PREFIX, DiskTier
+from tiercache.tiers.disk import SUFFIX, TMP_PREFIX, DiskTier
+from tiercache.tiers.disk_index import INDEX_DIR
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
 from tiercache.tiers.s3 import ObjectBody, S3Tier
 
@@ -338,6 +340,9 @@ def test_disk_restart_reindexes_by_mtime(tmp_path):
     now = time.time()
     for age, i in enumerate([1, 3, 0, 2]):
         os.utime(tier.path_of(key_of(i)), (now - 100 * (age + 1), now - 100 * (age + 1)))
+    # A root without its index (an older tiercache wrote it): recency comes from mtimes.
+    tier.close()
+    shutil.rmtree(tmp_path / INDEX_DIR)
     (tmp_path / "not-a-digest").mkdir()
     (tmp_path / DIGEST / "zz").mkdir(exist_ok=True)
     (tmp_path / DIGEST / "zz" / "junk.txt").write_text("x")
@@ -358,6 +363,97 @@ def test_disk_restart_reindexes_by_mtime(tmp_path):
     # touch() persists recency across a restart.
     smaller.touch(key_of(3))
     assert DiskTier(tmp_path, 1 << 30).keys() == [key_of(1), key_of(3)]
+
+
+def store(tier: DiskTier, key: str) -> None:
+    data = payload(int(key.split("/")[1], 16))
+    assert tier.put(key, memoryview(data), header_for(key, data))
+
+
+def object_size(tmp_path: Path) -> int:
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    put(probe, 0)
+    return probe.usage_bytes()
+
+
+def bytes_under(root: Path) -> int:
+    return sum(path.stat().st_size for path in root.rglob(f"*{SUFFIX}") if not path.name.startswith(TMP_PREFIX))
+
+
+_FILLER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.format import ObjectHeader, checksum
+
+    root, digest, capacity, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    tier = DiskTier(root, capacity, digest=digest)
+    print("ready", flush=True)
+    sys.stdin.readline()  # both engines store at once
+    for i in range(count):
+        data = np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8).tobytes()
+        key = f"{digest}/{i:064x}"
+        assert tier.put(key, memoryview(data), ObjectHeader(key, digest, len(data), checksum(data)))
+    assert all(tier.path_of(key).exists() for key in tier.keys())
+    print(len(tier.keys()), flush=True)
+    """
+)
+
+
+def test_two_processes_on_one_root_keep_one_budget(tmp_path):
+    """Two engines on one node sharing `disk.path` (data-parallel ranks, several
+    TP=1 engines), storing at the same time: the root stays within the capacity,
+    not within twice it."""
+    capacity = 8 * object_size(tmp_path)
+    root = tmp_path / "disk"
+    engines = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILLER, str(root), digest, str(capacity), "12"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for digest in ("aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb")
+    ]
+    try:
+        assert [engine.stdout.readline().strip() for engine in engines] == ["ready", "ready"]
+        for engine in engines:
+            engine.stdin.write("go\n")
+            engine.stdin.flush()
+        kept = [int(engine.stdout.readline()) for engine in engines]
+        assert [engine.wait(timeout=60) for engine in engines] == [0, 0]
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                engine.kill()
+                engine.wait()
+    assert bytes_under(root) <= capacity
+    assert sum(kept) == len(DiskTier(root, 1 << 30).keys()) <= 8
+
+
+def test_an_unused_digests_objects_go_first_then_its_folder(tmp_path):
+    """A digest no engine uses any more (new weights, another TP size, keys of an
+    older tiercache) is reclaimed before the objects of the digests in use, however
+    recently it was used, and its folder goes once empty."""
+    object_bytes = object_size(tmp_path)
+    live, stale = "1111111111111111", "2222222222222222"
+    tier = DiskTier(tmp_path / "disk", 6 * object_bytes, digest=live)
+    for i in range(3):
+        store(tier, key_of(i, live))
+    before = DiskTier(tmp_path / "disk", 6 * object_bytes, digest=stale)  # the engine of the old weights
+    for i in range(3):
+        store(before, key_of(i, stale))
+    before.close()  # ...is gone: nothing uses its digest now
+    for i in range(3, 6):
+        store(tier, key_of(i, live))
+    assert tier.keys() == [key_of(i, live) for i in range(6)]
+    assert not (tmp_path / "disk" / stale).exists()
+    assert bytes_under(tmp_path / "disk") <= 6 * object_bytes
+    # A digest in use is not reclaimed: the least recently used go, whoever's they are.
+    other = DiskTier(tmp_path / "disk", 6 * object_bytes, digest=stale)
+    store(other, key_of(9, stale))
+    assert other.keys() == [key_of(9, stale)] and tier.keys() == [key_of(i, live) for i in range(1, 6)]
 
 
 _SLOW_WRITER = textwrap.dedent(
@@ -434,23 +530,43 @@ def test_kill_9_mid_write_leaves_no_partial_object(tmp_path):
     assert not list(root.rglob(f"{TMP_PREFIX}*"))
 
 
-def test_temp_files_of_live_writers_are_kept(tmp_path):
+_LOCK_HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"partial")
+    print("locked", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_temp_files_are_told_dead_by_their_writers_lock_not_their_pid(tmp_path):
+    """A restarted container has a pid namespace of its own: the pid in a dead
+    writer's temp file may name a live process here (this one, even), and a live
+    writer's pid may mean nothing here. A writer holds a lock on its temp file until
+    the rename; the kernel drops it with the writer, whatever namespace it ran in."""
     tier = DiskTier(tmp_path, 1 << 30)
     put(tier, 1)
     folder = tier.path_of(key_of(1)).parent
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    held = folder / f"{TMP_PREFIX}4194999-0a0b-{'0' * 64}.safetensors"  # no such pid here
+    dead = folder / f"{TMP_PREFIX}{os.getpid()}-0c0d-{'1' * 64}.safetensors"  # a pid alive here
+    junk = folder / f"{TMP_PREFIX}notapid-{'2' * 64}.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(held)], stdout=subprocess.PIPE, text=True)
     try:
-        live = folder / f"{TMP_PREFIX}{sleeper.pid}-1-{'0' * 64}.safetensors"
-        mine = folder / f"{TMP_PREFIX}{os.getpid()}-1-{'1' * 64}.safetensors"
-        junk = folder / f"{TMP_PREFIX}notapid-{'2' * 64}.safetensors"
-        for path in (live, mine, junk):
+        assert writer.stdout.readline().strip() == "locked"
+        for path in (dead, junk):
             path.write_bytes(b"partial")
         DiskTier(tmp_path, 1 << 30)
-        assert live.exists() and mine.exists()  # someone may still be writing these
-        assert not junk.exists()
+        assert held.exists()  # its writer is still at it
+        assert not dead.exists() and not junk.exists()
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        writer.kill()
+        writer.wait()
+    DiskTier(tmp_path, 1 << 30)
+    assert not held.exists()  # its writer is gone now
+    assert read(DiskTier(tmp_path, 1 << 30), 1) == payload(1)
 
 
 @pytest.mark.parametrize("damage", ["flip_data", "flip_header", "truncate", "noise"])

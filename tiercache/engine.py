@@ -444,6 +444,8 @@ class TierEngine:
             self.uploads.close()
         if self.s3 is not None:
             self.s3.close()
+        if self.disk is not None:
+            self.disk.close()
         self.foreground.close()
 
 

@@ -1,20 +1,24 @@
 """The disk tier: one safetensors file per object under a root directory on local
 NVMe, written to a temporary name and renamed, so a process killed mid-write never
-leaves a partial object under a real name. Capacity-bounded LRU, rebuilt from the
-directory on start."""
+leaves a partial object under a real name. One capacity per root, LRU across every
+process and digest on it, counted in an index in the root (tiers/disk_index.py) and
+brought in line with the files on start."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import secrets
 import shutil
+import sqlite3
 import threading
 import time
-from collections import Counter, OrderedDict
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from stat import S_IMODE
@@ -22,6 +26,7 @@ from stat import S_IMODE
 from tiercache.keys import split_key
 from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
 from tiercache.tiers import DISK
+from tiercache.tiers.disk_index import RootIndex, index_exists
 from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
@@ -46,16 +51,12 @@ TMP_PREFIX = ".tmp-"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _DIGEST_DIR = re.compile(r"^[0-9a-f]{16}$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# Reads write their recency to the root's index at least this often (seconds).
+SYNC_SECONDS = 1.0
+# How long a finding that a digest is unused is trusted (seconds).
+UNUSED_RECHECK_SECONDS = 1.0
+# Objects looked at per query while evicting.
+_EVICT_BATCH = 64
 
 
 class DiskLayout:
@@ -64,10 +65,12 @@ class DiskLayout:
     scheduler's scan at start, the service's stats and lookups, GC's flush, inspect).
 
         <root>/<rank digest>/<first 2 hex of the block>/<block hash hex>.safetensors
-        <root>/<rank digest>/<xx>/.tmp-<pid>-<thread>-<block hash hex>.safetensors
+        <root>/<rank digest>/<xx>/.tmp-<pid>-<random>-<block hash hex>.safetensors
+        <root>/.tiercache/                 the root's index (tiers/disk_index.py)
 
-    The two-hex fan-out keeps folders small; a temp file names the process writing
-    it, so a restart can tell a dead writer's leftovers from a live one's."""
+    The two-hex fan-out keeps folders small. A temp file's name is unique (the pid
+    is there for people reading the folder); its writer holds a lock on it until
+    the rename, which is how a dead writer's leftovers are told from a live one's."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -92,19 +95,10 @@ class DiskLayout:
 
     @staticmethod
     def temp_path(path: str) -> str:
-        """The name an object is written under before its rename to `path`: the
-        writing process and thread, so concurrent writers of one key never share it."""
+        """The name an object is written under before its rename to `path`, never
+        shared by two writers (of one process, or of containers whose pids collide)."""
         folder, name = os.path.split(path)
-        return f"{folder}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{name}"
-
-    @staticmethod
-    def temp_writer(name: str) -> int | None:
-        """The pid that wrote temp file `name`, or None when the name does not say."""
-        try:
-            pid = int(name[len(TMP_PREFIX) :].split("-")[0])
-        except ValueError:
-            return None
-        return pid if pid > 0 else None
+        return f"{folder}/{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{name}"
 
     @staticmethod
     def block_of(name: str) -> str | None:
@@ -154,12 +148,22 @@ class DiskLayout:
         return found
 
     def remove_digest(self, digest: str) -> int:
-        """Delete every file of `digest`; the number of objects there were."""
+        """Delete every file of `digest`, and its entries in the root's index; the
+        number of objects there were."""
         folder = self.digest_dir(digest)
         if not folder.is_dir():
             return 0
         count = sum(1 for _ in self.objects(digest))
-        shutil.rmtree(folder, ignore_errors=True)
+        if not index_exists(self.root):
+            shutil.rmtree(folder, ignore_errors=True)
+            return count
+        index = RootIndex(self.root)
+        try:
+            with index.write():  # the tiers on the root see it whole, or not yet
+                index.remove_digest(digest, "flush")
+                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            index.close()
         return count
 
 
@@ -175,12 +179,15 @@ class DiskTier:
         digest: str | None = None,
         integrity_key: bytes | None = None,
     ):
-        """`digest`: the namespace digest whose objects this tier owns. Every TP rank
-        of one node keeps its objects under its own digest in one root, each with its
-        own share of the capacity: a tier that indexed its neighbours' files too would
-        count them against its share and evict them. None indexes every digest (tools
-        and tests that own the whole root). `integrity_key`: objects are served only
-        if their MAC was made with it (see format.sign); None checks the plain checksum."""
+        """`capacity`: the budget of the whole root, shared with every other tier on
+        it, in this process or another (tiers/disk_index.py keeps the count): a store
+        evicts the least recently used objects under the root, those of digests no
+        running tier uses first. `digest`: the namespace digest this tier serves; it
+        is held in use while the tier runs, and `on_remove` hears of every object of
+        it that leaves the root, whoever removed it. None: every digest, none held
+        (tools and tests that own the whole root). `integrity_key`: objects are served
+        only if their MAC was made with it (see format.sign); None checks the plain
+        checksum."""
         self.root = Path(root)
         self.digest = digest
         self.capacity = capacity
@@ -188,22 +195,28 @@ class DiskTier:
         self.fsync = fsync
         self.integrity_key = integrity_key
         self._on_remove = on_remove
-        self._lock = threading.Condition()
-        self._sizes: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
-        # Keys whose file is being renamed into place, or unlinked, right now (a count:
-        # two writers, or two removers, of one key). A rename and an unlink of one key
-        # never overlap, so a file counted is a file on disk, and one removed stays
-        # removed: in either order a writer's file could be unlinked after it was
-        # counted (a later miss), or a put could answer True for a file going away.
-        self._renaming: Counter[str] = Counter()
-        self._removing: Counter[str] = Counter()
-        self._usage = 0
-        self._writing = 0  # bytes of writes in flight: counted against capacity too
+        self._lock = threading.Lock()  # the fields below
+        self._writing = 0  # bytes of this process's writes in flight: counted against capacity too
+        # Reads are not written to the index one by one: their recency, and objects
+        # found gone, go with the tier's next write to it (at least every SYNC_SECONDS
+        # while reads come).
+        self._recent: dict[str, float] = {}
+        self._lost: set[str] = set()
+        self._synced = time.monotonic()
+        self._unused: tuple[float, list[str]] = (-UNUSED_RECHECK_SECONDS, [])
+        self._name = secrets.token_hex(8)  # this tier in the index's removal log
         # Called between the pieces of a write (PIECE_BYTES each): where the engine's
         # foreground gate stops a write under way while a forward loads hits.
         self.pace: Callable[[], None] | None = None
         _make_private_dirs(str(self.root))
         self.layout = DiskLayout(self.root)
+        self.index = RootIndex(self.root)
+        self._held: int | None = None
+        if digest is not None:
+            with self.index.write() as index:
+                self._held = index.hold_digest(digest)
+        self._seen = self.index.last_removal()
+        self._closer = weakref.finalize(self, _close_tier, self.index, self._held)
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
 
@@ -213,20 +226,22 @@ class DiskTier:
     def path_of(self, key: str) -> Path:
         return Path(self.layout.path(key))
 
+    def _mine(self, key: str) -> bool:
+        return self.digest is None or key.startswith(f"{self.digest}/")
+
     # -- index --------------------------------------------------------------
     def _reindex(self) -> None:
-        """Rebuild the LRU from the files present, oldest modification first, and
-        clear temporary files left by processes that died mid-write."""
-        found: list[tuple[float, str, int]] = []
-        others = 0
+        """Bring the root's index in line with the files present: objects it does not
+        know (an older tiercache's, or one renamed just before a crash) are counted,
+        recent by their modification time; entries whose file is gone are dropped.
+        Temporary files no live writer holds are removed, and so are the folders of
+        unused digests that hold nothing. Then evict down to the capacity."""
+        found: dict[str, tuple[str, int, float]] = {}
         for digest in self.layout.digests():
-            if self.digest is not None and digest != self.digest:
-                others += 1  # another rank's (or model's) objects: theirs to count and evict
-                continue
             _close_folders(self.layout.digest_dir(digest))
             for entry in self.layout.files(digest):
                 if entry.name.startswith(TMP_PREFIX):
-                    self._clear_stale_temp(entry)
+                    clear_stale_temp(entry.path)
                     continue
                 block = self.layout.block_of(entry.name)
                 if block is None:
@@ -239,61 +254,56 @@ class DiskTier:
                         os.chmod(entry.path, FILE_MODE)
                 except (ValueError, OSError):
                     continue
-                found.append((stat.st_mtime, key, stat.st_size))
-        for _, key, size in sorted(found):
-            self._sizes[key] = size
-            self._usage += size
-        TIER_USAGE.labels(TIER).set(self._usage)
-        if found:
-            log.info("disk tier %s: re-indexed %d objects, %d bytes", self.root, len(found), self._usage)
-        if others:
-            # No tier counts or evicts a digest no running worker has: after an upgrade
-            # or a model change its folder stays until someone removes it.
-            log.info(
-                "disk tier %s: %d other digest folders left to their owners (other TP ranks, models, "
-                "or keys of an older tiercache); remove those no running engine uses",
-                self.root,
-                others,
-            )
-        self._evict_to(self.capacity)
-
-    @staticmethod
-    def _clear_stale_temp(entry: os.DirEntry) -> None:
-        pid = DiskLayout.temp_writer(entry.name)
-        if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
+                found[key] = (digest, stat.st_size, stat.st_mtime)
+        with self.index.write() as index:
+            known = index.all_keys()
+            # Both checked again under the index's lock: another process may have
+            # stored or evicted since the scan.
+            for key in found.keys() - known:
+                if os.path.exists(self.layout.path(key)):
+                    index.add(key, *found[key])
+            for key in known - found.keys():
+                if not os.path.exists(self.layout.path(key)):
+                    index.remove(key, self._name)
+            removed = self._make_room(index, self.capacity)
+            self._reclaim_unused_folders(index)
+            usage = index.total()
+        TIER_USAGE.labels(TIER).set(usage)
+        log.info(
+            "disk tier %s: %d objects, %d bytes under the root", self.root, len(known | found.keys()), usage
+        )
+        self._report(removed)
 
     def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._sizes)
+        """This tier's keys (its digest's, or every one), least recently used first."""
+        return self.index.keys(self.digest)
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return self.index.usage(self.digest)[0]
 
     def __contains__(self, key: str) -> bool:
-        return key in self._sizes
+        return self.contains(key)
 
     def usage_bytes(self) -> int:
-        return self._usage
+        """Bytes of this tier's objects (its digest's, or the whole root's)."""
+        return self.index.usage(self.digest)[1]
 
     # -- operations ---------------------------------------------------------
     def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
         """Write one object. False when it cannot be stored (full disk, no
-        permission): a store is dropped, never an error for the caller."""
+        permission, the index busy): a store is dropped, never an error for the caller."""
         path = self.layout.path(key)
         preamble = header.encode()
         size = len(preamble) + len(data)
         if size > self.capacity:
             return False
-        with self._lock:
-            self._lock.wait_for(lambda: not self._removing[key])
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
+        try:
+            if self.index.has(key):
+                self._used(key)
                 return True
-            # Reserve the room first, so that concurrent writers cannot each evict
-            # for themselves and together overshoot the capacity.
+        except sqlite3.Error as error:
+            return self._dropped(key, "index", error)
+        with self._lock:
             self._writing += size
         try:
             return self._put_reserved(key, path, preamble, data, size)
@@ -302,50 +312,74 @@ class DiskTier:
                 self._writing -= size
 
     def _put_reserved(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
-        self._evict_to(self.capacity)
-        folder = os.path.dirname(path)
         tmp = self.layout.temp_path(path)
+        removed: list[str] = []
+        fd: int | None = None
+        renamed = False  # and not yet counted by a committed transaction
         try:
             with timed(TIER, "put", len(data)):
+                # Room for the writes under way first, so that this process's
+                # concurrent writers cannot each evict for themselves and together
+                # overshoot the capacity.
+                if self.index.total() + self._writing > self.capacity:
+                    with self.index.write() as index:
+                        removed += self._sync(index)  # this tier's reads count in the order
+                        removed += self._make_room(index, self.capacity - self._writing)
                 try:
-                    self._write(tmp, preamble, data)
+                    fd = self._write(tmp, preamble, data)
                 except FileNotFoundError:  # the object's folder does not exist yet
-                    _make_private_dirs(folder)
-                    self._write(tmp, preamble, data)
-                self._rename_and_count(key, tmp, path, size)
-        except OSError as error:
-            kind = "disk_full" if error.errno == errno.ENOSPC else "io"
-            TIER_ERRORS.labels(TIER, kind).inc()
-            log.warning("disk tier: dropped store of %s: %s", key, error)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            return False
+                    _make_private_dirs(os.path.dirname(path))
+                    fd = self._write(tmp, preamble, data)
+                with self.index.write() as index:
+                    removed += self._sync(index)
+                    if index.has(key):  # another writer put it there meanwhile
+                        os.unlink(tmp)
+                        index.mark_used({key: time.time()})
+                    else:
+                        os.replace(tmp, path)
+                        renamed = True
+                        try:
+                            index.add(key, split_key(key)[0], size, time.time())
+                            removed += self._make_room(index, self.capacity - (self._writing - size))
+                        except BaseException:
+                            os.unlink(path)  # still under the index's lock: no one else's file
+                            renamed = False
+                            raise
+                    TIER_USAGE.labels(TIER).set(index.total())
+                renamed = False
+        except (OSError, sqlite3.Error) as error:
+            kind = "disk_full" if getattr(error, "errno", None) == errno.ENOSPC else "io"
+            if isinstance(error, sqlite3.Error):
+                kind = "disk_full" if "full" in str(error) else "index"
+            for leftover in (tmp, path) if renamed else (tmp,):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+            return self._dropped(key, kind, error)
+        finally:
+            if fd is not None:
+                os.close(fd)
+            self._report(removed)
         return True
 
-    def _rename_and_count(self, key: str, tmp: str, path: str, size: int) -> None:
-        """Put the written file in place and count it, never while it is being removed."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._removing[key])
-            self._renaming[key] += 1
-        renamed = False
-        try:
-            os.replace(tmp, path)
-            renamed = True
-        finally:
-            with self._lock:
-                _unmark(self._renaming, key)
-                if renamed:
-                    if key not in self._sizes:  # two writers of one key count it once
-                        self._usage += size
-                    self._sizes[key] = size
-                    TIER_USAGE.labels(TIER).set(self._usage)
-                self._lock.notify_all()
+    @staticmethod
+    def _dropped(key: str, kind: str, error: Exception) -> bool:
+        TIER_ERRORS.labels(TIER, kind).inc()
+        log.warning("disk tier: dropped store of %s: %s", key, error)
+        return False
 
-    def _write(self, tmp: str, preamble: bytes, data: memoryview) -> None:
+    def _write(self, tmp: str, preamble: bytes, data: memoryview) -> int:
+        """Write the object to `tmp`, a new file. Returns its descriptor, still open
+        and holding the file's lock: the lock tells a cleaner that a live writer owns
+        the file, until the rename (see clear_stale_temp)."""
         direct = self.o_direct and _aligned(data)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, FILE_MODE)  # the umask can only narrow it
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink == 0:
+                # A cleaner locked it first (between the open and the lock) and took
+                # it for a dead writer's.
+                raise FileNotFoundError(errno.ENOENT, "temporary file removed before it was locked", tmp)
             if direct:
                 # O_DIRECT needs aligned memory: copy the small preamble into an
                 # anonymous (page-aligned) map; the pages go straight from the slot.
@@ -358,8 +392,100 @@ class DiskTier:
                 _write_all(fd, preamble, data, pace=self.pace)
             if self.fsync:
                 os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
+
+    def _make_room(self, index: RootIndex, budget: int) -> list[str]:
+        """(Inside index.write().) Evict until the root's objects fit in `budget`:
+        those of unused digests first, then the least recently used of all. The keys
+        evicted."""
+        over = index.total() - budget
+        if over <= 0:
+            return []
+        evicted: list[str] = []
+        unused = self._unused_digests(index)
+        for among in ([unused] if unused else []) + [None]:
+            while over > 0:
+                victims = index.oldest(_EVICT_BATCH, among)
+                if not victims:
+                    break
+                for key, _, size in victims[: _needed(victims, over)]:
+                    index.remove(key, self._name)
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.layout.path(key))
+                    TIER_EVICTIONS.labels(TIER).inc()
+                    evicted.append(key)
+                    over -= size
+        if unused:
+            self._reclaim_unused_folders(index)
+        return evicted
+
+    def _unused_digests(self, index: RootIndex) -> list[str]:
+        """(Inside index.write().) Digests with objects that no running tier uses:
+        looked at again every UNUSED_RECHECK_SECONDS."""
+        checked, unused = self._unused
+        if time.monotonic() - checked < UNUSED_RECHECK_SECONDS:
+            return unused
+        unused = [
+            digest
+            for digest, objects in index.digests().items()
+            if objects > 0 and digest != self.digest and not index.in_use(digest)
+        ]
+        self._unused = (time.monotonic(), unused)
+        return unused
+
+    def _reclaim_unused_folders(self, index: RootIndex) -> None:
+        """(Inside index.write(), which a tier taking a digest in use holds too.)
+        Remove the folder of every digest that holds no object and no tier uses:
+        what is left there is strays and dead writers' temporary files."""
+        counts = index.digests()
+        for digest in self.layout.digests():
+            if counts.get(digest, 0) > 0 or digest == self.digest or index.in_use(digest):
+                continue
+            shutil.rmtree(self.layout.digest_dir(digest), ignore_errors=True)
+            index.drop_digest(digest)
+            index.forget_user(digest)
+            log.info(
+                "disk tier %s: removed the folder of digest %s, which no running engine uses",
+                self.root,
+                digest,
+            )
+
+    def _sync(self, index: RootIndex) -> list[str]:
+        """(Inside index.write().) Write the recency of the reads since the last sync,
+        drop the entries of objects found gone, and read the removals of this tier's
+        objects by others: their keys."""
+        with self._lock:
+            recent, self._recent = self._recent, {}
+            lost, self._lost = self._lost, set()
+            self._synced = time.monotonic()
+        if recent:
+            index.mark_used(recent)
+        for key in lost:
+            if not os.path.exists(self.layout.path(key)):
+                index.remove(key, self._name)
+        self._seen, removed = index.removed_since(self._seen, self.digest, self._name)
+        return removed
+
+    def _sync_now(self) -> None:
+        """Sync from a reader: never waits for the index, whose next write takes it."""
+        try:
+            with self.index.write(wait=False) as index:
+                removed = self._sync(index)
+        except sqlite3.Error:
+            return
+        self._report(removed)
+
+    def _report(self, removed: list[str]) -> None:
+        """Tell the owner which of its objects left the root (an eviction here, or a
+        removal by another tier on the root)."""
+        if self._on_remove is None:
+            return
+        for key in removed:
+            if self._mine(key):
+                self._on_remove(key)
 
     def get_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> bool:
         """Read one object's pages straight into `out` and verify them (and, given
@@ -433,8 +559,10 @@ class DiskTier:
 
     def _used(self, key: str) -> None:
         with self._lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
+            self._recent[key] = time.time()
+            due = time.monotonic() - self._synced >= SYNC_SECONDS
+        if due:
+            self._sync_now()
 
     def _read_verified(self, fd: int, key: str, out: memoryview, expect: PageShape | None = None) -> None:
         """Fill `out` with the object's pages and check them against its header.
@@ -470,70 +598,55 @@ class DiskTier:
             return None
 
     def delete(self, key: str) -> bool:
-        with self._lock:
-            size = self._take(key)
-        self._finish_removal(key, size)
-        return size is not None
+        """Remove one object; whether there was one."""
+        path = self.layout.path(key)
+        counted: int | None = None
+        unlinked = False
+        try:
+            with self.index.write() as index:
+                counted = index.remove(key, self._name)
+                unlinked = _unlink(path)
+                TIER_USAGE.labels(TIER).set(index.total())
+        except sqlite3.Error as error:
+            log.warning("disk tier: could not update the index for the removal of %s: %s", key, error)
+            unlinked = _unlink(path)  # its entry goes once found gone
+            with self._lock:
+                self._lost.add(key)
+        if counted is not None or unlinked:
+            self._report([key])
+            return True
+        return False
 
     def _forget(self, key: str) -> None:
-        """Stop counting an object whose file is already gone."""
+        """An object whose file is already gone (another process evicted it, or a
+        hand removed it): reported now, its entry dropped with the next sync."""
         with self._lock:
-            size = self._uncount(key)
-        if size is not None and self._on_remove:
-            self._on_remove(key)
-
-    def _uncount(self, key: str) -> int | None:
-        """(Under the lock.) Stop counting `key`: its size, or None if it was not counted."""
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self._usage -= size
-            TIER_USAGE.labels(TIER).set(self._usage)
-        return size
-
-    def _take(self, key: str) -> int | None:
-        """(Under the lock.) Stop counting `key` and mark its file as being removed,
-        once no rename of it is under way: its size, or None if it was not counted."""
-        self._lock.wait_for(lambda: not self._renaming[key])
-        self._removing[key] += 1
-        return self._uncount(key)
-
-    def _finish_removal(self, key: str, size: int | None) -> None:
-        try:
-            if size is not None and self._on_remove:
-                self._on_remove(key)
-            with contextlib.suppress(OSError):
-                os.unlink(self.layout.path(key))
-        finally:
-            with self._lock:
-                _unmark(self._removing, key)
-                self._lock.notify_all()
-
-    def _evict_to(self, budget: int) -> None:
-        while True:
-            with self._lock:
-                if self._usage + self._writing <= budget or not self._sizes:
-                    return
-                # Picked and taken in one hold of the lock: a put of the victim that
-                # comes after sees it gone and writes it again, rather than answering
-                # True for a file about to go.
-                victim = next(iter(self._sizes))
-                size = self._take(victim)
-            if size is not None:
-                TIER_EVICTIONS.labels(TIER).inc()
-            self._finish_removal(victim, size)
+            self._lost.add(key)
+        self._sync_now()
+        self._report([key])
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._sizes
+        try:
+            return self.index.has(key)
+        except sqlite3.Error:
+            return False
 
     def close(self) -> None:
-        """Nothing is held open between calls: every write and read opens its file."""
+        """Write what the reads learnt to the index and stop holding the digest in
+        use. Nothing else is held open between calls: every write and read opens
+        its file."""
+        if not self._closer.alive:
+            return
+        with contextlib.suppress(sqlite3.Error):
+            with self.index.write() as index:
+                removed = self._sync(index)
+            self._report(removed)
+        self._closer()
 
     def touch(self, key: str) -> None:
-        with self._lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
-        # Persist recency across restarts, which re-index by mtime.
+        with contextlib.suppress(sqlite3.Error), self.index.write() as index:
+            index.mark_used({key: time.time()})
+        # Also the file's: a root whose index is lost is indexed again by mtime.
         with contextlib.suppress(OSError):
             now = time.time()
             os.utime(self.path_of(key), (now, now))
@@ -569,11 +682,48 @@ class DiskPages:
         os.close(self._fd)
 
 
-def _unmark(marks: Counter[str], key: str) -> None:
-    """One rename or removal of `key` is over; a count of none is dropped."""
-    marks[key] -= 1
-    if not marks[key]:
-        del marks[key]
+def _close_tier(index: RootIndex, held: int | None) -> None:
+    if held is not None:
+        os.close(held)  # the digest's lock goes with it
+    index.close()
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def _needed(victims: list[tuple[str, str, int]], over: int) -> int:
+    """How many of `victims`, in order, free at least `over` bytes (all if they cannot)."""
+    freed = 0
+    for count, (_, _, size) in enumerate(victims, 1):
+        freed += size
+        if freed >= over:
+            return count
+    return len(victims)
+
+
+def clear_stale_temp(path: str) -> bool:
+    """Remove temporary file `path` if no live writer holds it, in this process, another,
+    or another container: a writer holds an exclusive flock on its temporary file
+    from its creation to its rename, and the kernel drops the lock with the process,
+    however it dies (a pid in the name means nothing in another pid namespace).
+    Whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live writer's
+    else:
+        return _unlink(path)
+    finally:
+        os.close(fd)
 
 
 def _make_private_dirs(path: str) -> None:
