@@ -13,6 +13,7 @@ import pytest
 
 from tiercache.config import (
     ConfigError,
+    MoverConfig,
     TierCacheConfig,
     build_config,
     env_overrides,
@@ -122,6 +123,16 @@ def test_every_problem_is_reported_at_once():
         build_config({"cpu": {"capacity": "x"}, "bogus": 1, "movers": {"workers": 0}}, environ={})
     fields = sorted(problem.split(":")[0] for problem in info.value.problems)
     assert fields == ["bogus", "cpu.capacity", "movers.workers"]
+
+
+def test_the_removed_promote_on_hit_is_refused_and_says_why():
+    """movers.promote_on_hit was read nowhere: a setting that did nothing. Gone, and a
+    configuration that still sets it is told so, naming it."""
+    with pytest.raises(ConfigError) as info:
+        build_config({"movers": {"promote_on_hit": False}}, environ={})
+    (problem,) = info.value.problems
+    assert problem.startswith("movers.promote_on_hit: removed") and "always promoted" in problem
+    assert "promote_on_hit" not in MoverConfig.model_fields
 
 
 def test_s3_without_redis_is_refused():

@@ -561,8 +561,9 @@ def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path,
     second writer had checked the key before the first counted it and was still
     writing when the object was removed; its file, renamed between the removal's
     forgetting the key and its unlink, stayed on disk counted by nothing, or was
-    unlinked after it was counted. Here the second writer is held in its rename while
-    the block is removed: the removal waits for the rename, then takes the file."""
+    unlinked after it was counted. Here the second writer is held in its rename (made
+    under the root index's write lock, with its count) while the block is removed:
+    the removal waits for the rename, then takes the file."""
     from tiercache.tiers import disk as disk_module
     from tiercache.tiers.disk import DiskTier
 
@@ -585,9 +586,11 @@ def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path,
         real_replace(src, dst)
 
     monkeypatch.setattr(disk_module.os, "replace", replace)
+    assert put(block)  # the first writer stores and counts the block
+    os.unlink(tier.layout.path(key))  # ...which goes, unknown to the second
+    assert not tier.get_into(key, memoryview(bytearray(SLOT)))
     second.start()
     time.sleep(0.2)  # the second writer is waiting in its rename
-    assert put(block)  # the first writer stores and counts the block
     removal = threading.Thread(
         target=tier.delete if removed_by == "delete" else put,
         args=(key if removed_by == "delete" else other,),

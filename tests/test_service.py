@@ -322,6 +322,39 @@ def test_presence_stays_within_its_redis_budget_and_is_rewritten_when_lost(redis
     assert redis.client.hlen(key) == len(many) and redis.client.hget(key, many[0]) == b"3"
 
 
+class _Killed(BaseException):
+    """The process died: nothing of it runs after this."""
+
+
+class _DiesAfter:
+    """A publisher's Redis whose process is killed after `calls` more calls."""
+
+    def __init__(self, redis, calls: int):
+        self.client = redis.client
+        self._redis = redis
+        self._left = calls
+
+    def call(self, what, fn):
+        if self._left == 0:
+            raise _Killed
+        self._left -= 1
+        return self._redis.call(what, fn)
+
+
+def test_a_rewrite_cut_short_by_a_dead_process_leaves_nothing_for_good(redis):
+    """The whole-hash rewrite stages its copy under a temporary key: a process killed
+    before the rename left that key behind, with no TTL, for good."""
+    publisher = PresencePublisher(redis, "e" * 16, "node-a", ttl=30)
+    for block in blocks(3000):  # two batches
+        publisher.update(block, "cpu", True)
+    publisher.redis = _DiesAfter(redis, 2)  # the staging key cleared, the first batch written
+    with pytest.raises(_Killed):
+        publisher.flush()
+    staging = f"tc:{{{'e' * 16}}}:at:node-a:rewrite"
+    assert redis.client.hlen(staging) == 2000
+    assert 0 < redis.client.pttl(staging) <= 30_000
+
+
 BAD_LOOKUPS = [
     ({"namespace": "ns1", "block_hashes": []}, "block_hashes"),
     ({"namespace": "ns1", "block_hashes": ["xyz" * 8]}, "block_hashes.0"),

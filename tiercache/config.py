@@ -87,7 +87,10 @@ class CpuTierConfig(_Strict):
 
 class DiskTierConfig(_Strict):
     path: Path
-    capacity: ByteSize = Field(default=100 * 2**30, description="bytes per node, split across TP ranks")
+    capacity: ByteSize = Field(
+        default=100 * 2**30,
+        description="bytes under `path`: one budget, shared by every engine and TP rank that uses the path",
+    )
     # O_DIRECT bypasses the page cache: right for NVMe that holds far more than RAM.
     o_direct: bool = False
     fsync: bool = Field(default=False, description="fsync each object before its rename")
@@ -184,7 +187,6 @@ def _on_off(value: Any) -> Any:
 
 class MoverConfig(_Strict):
     policy: Literal["write_through", "write_back"] = "write_through"
-    promote_on_hit: bool = True
     queue_depth: int = Field(default=1024, ge=1, le=1_000_000)
     workers: int = Field(
         default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
@@ -338,13 +340,20 @@ def redact_url(url: str) -> str:
     return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url, count=1))
 
 
+# Settings that were removed, and why: a configuration that still sets one is told.
+_REMOVED = {
+    "movers.promote_on_hit": "removed: it never had an effect (a hit from disk or S3 is always "
+    "promoted into the CPU tier); delete it",
+}
+
+
 def _problems(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = _REMOVED.get(field, "unknown key")
         lines.append(f"{field}: {message}")
     return lines
 

@@ -200,9 +200,18 @@ class PresencePublisher:
         staging = f"{self.key}:rewrite"
         items = list(bits.items())
         self.redis.call("presence", lambda: self.redis.client.delete(staging))
+
+        def stage(mapping: dict[bytes, int]) -> None:
+            pipe = self.redis.client.pipeline(transaction=False)
+            pipe.hset(staging, mapping=mapping)
+            # A process that dies before the rename leaves the staging copy to expire,
+            # as its live copy does; the rename carries the TTL over.
+            pipe.pexpire(staging, self._ttl_ms)
+            pipe.execute()
+
         for start in range(0, len(items), _BATCH):
             mapping = dict(items[start : start + _BATCH])
-            self.redis.call("presence", lambda m=mapping: self.redis.client.hset(staging, mapping=m))
+            self.redis.call("presence", lambda m=mapping: stage(m))
 
         def publish():
             pipe = self.redis.client.pipeline(transaction=False)
