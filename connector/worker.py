@@ -160,10 +160,10 @@ class TierCacheWorker:
             and not copier.on_cuda
         )
         self.buffer = CpuBuffer(num_slots, copier.slot_bytes, shared=uploads_apart)
-        if uploads_apart and self.buffer.shared_name is None:
+        if uploads_apart and self.buffer.shared_fd is None:
             log.warning(
-                "tiercache: /dev/shm has less than the CPU tier's %d bytes free, so S3 uploads run "
-                "in the worker process (raise the container's shm size to move them out)",
+                "tiercache: the CPU tier's %d bytes could not be shared, so S3 uploads run in the "
+                "worker process",
                 num_slots * copier.slot_bytes,
             )
         copier.warm_up(self.buffer)
@@ -189,7 +189,7 @@ class TierCacheWorker:
             self.tp_rank,
             num_slots,
             copier.slot_bytes,
-            "pinned" if self.buffer.pinned else "shared" if self.buffer.shared_name else "pageable",
+            "pinned" if self.buffer.pinned else "shared" if self.buffer.shared_fd is not None else "pageable",
             self.engine.disk is not None,
             self.engine.s3 is not None,
             f" (uploads from process {self.engine.uploads.pid})" if self.engine.uploads else "",

@@ -273,8 +273,6 @@ def test_ranks_on_one_root_share_its_budget_and_hear_of_their_objects_evicted(tm
     assert tier1.keys() == [new] and len(DiskTier(root, 1 << 30).keys()) == 9
 
 
-
-
 def test_tier_engines_of_two_ranks_on_one_root_keep_one_budget(tmp_path):
     """What the connector's workers do: one TierEngine per rank on one disk root,
     each given the root's whole capacity."""

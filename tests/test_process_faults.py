@@ -1,10 +1,12 @@
-"""Processes that die the hard way: a whole process group SIGKILLed leaves its CPU
-tier's shared-memory segment behind, and an upload process that stops answering must
-not get its slot back while it may still read it."""
+"""Processes that die the hard way: a whole process group SIGKILLed, in a pid
+namespace of its own (a restarted container's), must leave no shared memory behind,
+and an upload process that stops answering must not get its slot back while it may
+still read it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,33 +18,40 @@ OWNER = """
 import time
 from tiercache.tiers.cpu import CpuBuffer
 buffer = CpuBuffer(4, 4096, pin_memory=False, shared=True)
-print(buffer.shared_name, flush=True)
+print("ready", flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_groups_segment_is_swept_at_the_next_start_and_a_live_ones_kept():
+def _in_own_pid_namespace() -> list[str]:
+    """A command prefix that runs a process in a new pid namespace, as a restarted
+    container's worker is; none where unshare is missing or refused."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "--pid", "--fork", "true"], capture_output=True).returncode == 0:
+        return [unshare, "--pid", "--fork"]
+    return []
+
+
+def test_a_killed_groups_shared_cpu_tier_leaves_nothing_in_dev_shm():
+    """The shared CPU tier was a named segment in /dev/shm: a group SIGKILLed whole (its
+    resource tracker with it) left it there, and a worker restarted in another pid
+    namespace could never tell whether its owner was gone. It is a memory file now,
+    freed with the last process that maps it."""
+    before = set(os.listdir(SHM))
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [*_in_own_pid_namespace(), sys.executable, "-c", OWNER],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
-        dead_name = owner.stdout.readline().strip()
+        assert owner.stdout.readline().strip() == "ready"
+        made = set(os.listdir(SHM)) - before
     finally:
         os.killpg(owner.pid, signal.SIGKILL)  # the worker, its resource tracker, everything
         owner.wait()
-    dead = os.path.join(SHM, dead_name)
-    assert os.path.exists(dead)  # nobody was left to unlink it
-    assert dead_name.startswith("tiercache-") and f"-{owner.pid}-" in dead_name
-
-    live = CpuBuffer(4, 4096, pin_memory=False, shared=True)  # this process: a live owner
-    try:
-        assert not os.path.exists(dead)
-        assert f"-{os.getpid()}-" in live.shared_name
-        again = CpuBuffer(4, 4096, pin_memory=False, shared=True)
-        again.close()
-        assert os.path.exists(os.path.join(SHM, live.shared_name))
-    finally:
-        live.close()
+    assert not made  # nothing named, so nothing to outlive the group
+    assert set(os.listdir(SHM)) <= before
 
 
 def test_an_upload_that_times_out_returns_only_once_the_process_is_dead(
@@ -58,7 +67,7 @@ def test_an_upload_that_times_out_returns_only_once_the_process_is_dead(
     buffer = CpuBuffer(2, BLOCK, pin_memory=False, shared=True)
     shape = new_shape()
     setup = UploadSetup(
-        config, shape.model_digest, shape.rank_digest, buffer.shared_name, BLOCK, 2, frozenset(), 0
+        config, shape.model_digest, shape.rank_digest, buffer.shared_fd, BLOCK, 2, frozenset(), 0
     )
     uploads = UploadProcess(setup)
     try:

@@ -377,7 +377,9 @@ def object_size(tmp_path: Path) -> int:
 
 
 def bytes_under(root: Path) -> int:
-    return sum(path.stat().st_size for path in root.rglob(f"*{SUFFIX}") if not path.name.startswith(TMP_PREFIX))
+    return sum(
+        path.stat().st_size for path in root.rglob(f"*{SUFFIX}") if not path.name.startswith(TMP_PREFIX)
+    )
 
 
 _FILLER = textwrap.dedent(
@@ -553,7 +555,9 @@ def test_temp_files_are_told_dead_by_their_writers_lock_not_their_pid(tmp_path):
     held = folder / f"{TMP_PREFIX}4194999-0a0b-{'0' * 64}.safetensors"  # no such pid here
     dead = folder / f"{TMP_PREFIX}{os.getpid()}-0c0d-{'1' * 64}.safetensors"  # a pid alive here
     junk = folder / f"{TMP_PREFIX}notapid-{'2' * 64}.safetensors"
-    writer = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(held)], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(held)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert writer.stdout.readline().strip() == "locked"
         for path in (dead, junk):

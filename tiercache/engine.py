@@ -109,7 +109,7 @@ class TierEngine:
         uploads_apart = (
             self.s3 is not None
             and self.leases is not None
-            and buffer.shared_name is not None
+            and buffer.shared_fd is not None
             and s3 is None
             and config.movers.upload_process
         )
@@ -132,13 +132,13 @@ class TierEngine:
             )
             if uploads_apart:
                 # Both set when uploads go apart.
-                assert self.foreground.flag is not None and buffer.shared_name is not None
+                assert self.foreground.flag is not None and buffer.shared_fd is not None
                 self.uploads = UploadProcess(
                     UploadSetup(
                         config,
                         shape.model_digest,
                         shape.rank_digest,
-                        buffer.shared_name,
+                        buffer.shared_fd,
                         buffer.slot_bytes,
                         buffer.num_slots,
                         frozenset(spare_cpus()),

@@ -6,9 +6,10 @@ upload holds it for long stretches (botocore builds, signs and parses each reque
 Python), so the forward waits behind it many times per step; the same uploads from
 a process of their own slow it far less (benchmarks/upload_interference.py measures
 both; docs/benchmarks-e2e.md, "Store-path overhead", has the figures). The worker's
-CPU tier therefore lives in shared memory, and this process reads the blocks to
-upload straight from it: what crosses the socket between the two is a slot number,
-a block hash and its header, not the pages. A block that has left its slot (it waits
+CPU tier therefore lives in shared memory (a memory file whose descriptor this
+process is handed), and this process reads the blocks to upload straight from it:
+what crosses the socket between the two is a slot number, a block hash and its
+header, not the pages. A block that has left its slot (it waits
 for the rest of its S3 run, or is a write-back's victim) crosses as a copy, in a
 frame of its own after its run's description.
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 # Seconds between attempts to start the process again after it died.
 RESTART_PAUSE = 5.0
-SHM_DIR = "/dev/shm"
 # How vLLM's CPU backend pins a worker's OpenMP threads to the model's cores. It also
 # preloads libgomp, which reads these when any process starts: a child that inherited
 # them would bind itself to the model's first core, undoing where it was placed (seen
@@ -73,7 +73,8 @@ class UploadSetup:
     config: TierCacheConfig
     model_digest: str
     rank_digest: str
-    shm_name: str  # the CPU tier's shared-memory segment, read-only here
+    # The CPU tier's memory file (tiers/cpu.py), passed as this descriptor: read-only here.
+    shm_fd: int
     slot_bytes: int
     num_slots: int
     cpus: frozenset[int]  # where to run: the cores the model does not use (none: anywhere)
@@ -123,7 +124,7 @@ class UploadProcess:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "tiercache.uploader", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(), *gate),
+                pass_fds=(theirs.fileno(), self.setup.shm_fd, *gate),
                 env=child_env(),
             )
         except OSError as error:
@@ -251,10 +252,10 @@ class UploadProcess:
 
 
 def _open_slots(setup: UploadSetup) -> memoryview:
-    """The worker's CPU tier, read-only. Opened by path rather than with
-    multiprocessing.shared_memory, which would hand the segment to this process's
-    resource tracker and unlink it when this process exits."""
-    fd = os.open(os.path.join(SHM_DIR, setup.shm_name), os.O_RDONLY)
+    """The worker's CPU tier, read-only: the memory file is opened again read-only and
+    the descriptor handed down (open for writing too) is closed."""
+    fd = os.open(f"/proc/self/fd/{setup.shm_fd}", os.O_RDONLY)
+    os.close(setup.shm_fd)
     try:
         return memoryview(mmap.mmap(fd, setup.slot_bytes * setup.num_slots, prot=mmap.PROT_READ))
     finally:

@@ -8,14 +8,12 @@ block, and each worker holds the bytes of its own TP shard in the same slot numb
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import mmap
 import os
-import re
-import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from multiprocessing import shared_memory
 from typing import Generic, TypeVar
 
 import torch
@@ -24,13 +22,9 @@ from tiercache.errors import CpuTierFull
 from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
 from tiercache.tiers import CPU
 
+log = logging.getLogger(__name__)
 TIER = CPU
 ALIGN = 4096
-SHM_DIR = "/dev/shm"
-# Shared segments are named for their owner: tiercache-<pid namespace>-<pid>-<random>.
-# A process group SIGKILLed whole (its resource tracker with it) leaves its segment
-# behind, and the next buffer made on the host removes those whose owner is gone.
-_SEGMENT = re.compile(r"^tiercache-(\d+)-(\d+)-[0-9a-f]+$")
 
 K = TypeVar("K", bound=Hashable)
 
@@ -155,11 +149,13 @@ class SlotAllocator(Generic[K]):
 class CpuBuffer:
     """`num_slots` x `slot_bytes` of host memory, allocated once.
 
-    With `shared`, the memory is a named POSIX shared-memory segment (`shared_name`)
-    that another process may map: the upload process reads blocks from it (see
-    tiercache/uploader.py). Shared memory is not page-locked, so `shared` is for hosts
-    without CUDA; it falls back to private memory (shared_name None) when /dev/shm
-    has too little room, since touching pages past its end would kill the process."""
+    With `shared`, the memory is an anonymous memory file (memfd, `shared_fd`) that
+    another process may map: the upload process gets the descriptor when it starts
+    (pass_fds) and reads blocks from it (see tiercache/uploader.py). It has no name in
+    /dev/shm, so nothing is left behind however the processes die, in whatever pid
+    namespace (a restarted container), and /dev/shm's size does not bound it.
+    Shared memory is not page-locked, so `shared` is for hosts without CUDA; it falls
+    back to private memory (shared_fd None) where a memory file cannot be made."""
 
     def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None, shared: bool = False):
         if pin_memory is None:
@@ -167,16 +163,14 @@ class CpuBuffer:
         self.pinned = pin_memory
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.shared_name: str | None = None
-        self._segment: shared_memory.SharedMemory | None = None
+        self.shared_fd: int | None = None
         nbytes = num_slots * slot_bytes
         if shared and not pin_memory:
-            sweep_dead_segments()
-        if shared and not pin_memory and shm_room() >= nbytes:
+            self.shared_fd = _memory_file(nbytes)
+        if self.shared_fd is not None:
             # mmap'd, so already on a page boundary.
-            self._segment = shared_memory.SharedMemory(name=segment_name(), create=True, size=nbytes)
-            self.shared_name = self._segment.name
-            self.tensor = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+            self._map = mmap.mmap(self.shared_fd, nbytes)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
             self.tensor = self.tensor.view(num_slots, slot_bytes)
         else:
             # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
@@ -192,61 +186,28 @@ class CpuBuffer:
         return memoryview(self._array[slot]).cast("B")
 
     def close(self) -> None:
-        """Remove the shared segment's name (its memory goes with the last mapping)."""
-        if self._segment is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self._segment.unlink()
-            self._segment = None
+        """Close the memory file's descriptor (its memory goes with the last mapping):
+        no upload process can be started on it after this."""
+        if self.shared_fd is not None:
+            os.close(self.shared_fd)
+            self.shared_fd = None
 
 
-def _pid_namespace() -> int:
-    """This process's pid namespace: a pid means the same process only within one."""
+def _memory_file(nbytes: int) -> int | None:
+    """A descriptor of a new anonymous memory file of `nbytes` (close-on-exec: only a
+    child it is handed to explicitly gets it), or None where none can be made."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def segment_name() -> str:
-    return f"tiercache-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def _alive(pid: int) -> bool:
+        fd = os.memfd_create("tiercache-cpu-tier")
+    except (AttributeError, OSError) as error:  # no memfd on this platform or kernel
+        log.warning("tiercache: no memory file for a shared CPU tier (%s): it stays private", error)
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
-def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
-    """Remove the segments of owners that are gone (this pid namespace's only: a pid
-    from another means nothing here). Returns the names removed."""
-    namespace = str(_pid_namespace())
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        match = _SEGMENT.match(name)
-        if match is None or match.group(1) != namespace or _alive(int(match.group(2))):
-            continue
-        with contextlib.suppress(OSError):  # gone already, or not ours to remove
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-    return removed
-
-
-def shm_room(path: str = SHM_DIR) -> int:
-    """Bytes free in the shared-memory filesystem (0 where there is none)."""
-    try:
-        stat = os.statvfs(path)
-    except OSError:
-        return 0
-    return stat.f_bavail * stat.f_frsize
+        os.ftruncate(fd, nbytes)
+    except OSError as error:
+        os.close(fd)
+        log.warning("tiercache: no memory file for a shared CPU tier (%s): it stays private", error)
+        return None
+    return fd
 
 
 def slots_for(capacity: int, slot_bytes: int) -> int:

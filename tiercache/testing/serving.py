@@ -70,7 +70,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 class Leftovers:
     """What a server's process tree held while it ran, to look for after it ended."""
 
-    shm_segments: set[str] = field(default_factory=set)  # /dev/shm paths mapped
+    # Shared memory mapped: /dev/shm paths, and tiercache's memory files (the CPU tier
+    # shared with the upload process), which have no path to outlive anyone.
+    shm_segments: set[str] = field(default_factory=set)
     processes: dict[int, tuple[float, str]] = field(default_factory=dict)  # pid -> (start, cmdline)
 
 
@@ -127,7 +129,7 @@ class VllmServer:
         return httpx.get(f"{self.base}/metrics", timeout=10).text
 
     def leftovers(self) -> Leftovers:
-        """The process tree and the /dev/shm segments it maps now."""
+        """The process tree and the shared memory it maps now."""
         import psutil
 
         found = Leftovers()
@@ -136,7 +138,7 @@ class VllmServer:
             with contextlib.suppress(psutil.Error):
                 found.processes[proc.pid] = (proc.create_time(), " ".join(proc.cmdline()))
                 for mapping in proc.memory_maps(grouped=True):
-                    if mapping.path.startswith("/dev/shm/"):
+                    if mapping.path.startswith(("/dev/shm/", "/memfd:tiercache")):
                         found.shm_segments.add(mapping.path)
         return found
 
