@@ -211,12 +211,13 @@ class DiskTier:
         _make_private_dirs(str(self.root))
         self.layout = DiskLayout(self.root)
         self.index = RootIndex(self.root)
-        self._held: int | None = None
+        # The descriptor whose lock says this tier's digest is in use, while it is.
+        self._held: list[int] = []
         if digest is not None:
             with self.index.write() as index:
-                self._held = index.hold_digest(digest)
+                self._held.append(index.hold_digest(digest))
         self._seen = self.index.last_removal()
-        self._closer = weakref.finalize(self, _close_tier, self.index, self._held)
+        weakref.finalize(self, _close_tier, self.index, self._held)
         self._reindex()
         TIER_CAPACITY.labels(TIER).set(capacity)
 
@@ -633,15 +634,14 @@ class DiskTier:
 
     def close(self) -> None:
         """Write what the reads learnt to the index and stop holding the digest in
-        use. Nothing else is held open between calls: every write and read opens
-        its file."""
-        if not self._closer.alive:
-            return
+        use (what is on disk stays readable through this tier). Nothing else is held
+        open between calls: every write and read opens its file."""
         with contextlib.suppress(sqlite3.Error):
             with self.index.write() as index:
                 removed = self._sync(index)
             self._report(removed)
-        self._closer()
+        while self._held:
+            os.close(self._held.pop())
 
     def touch(self, key: str) -> None:
         with contextlib.suppress(sqlite3.Error), self.index.write() as index:
@@ -682,9 +682,9 @@ class DiskPages:
         os.close(self._fd)
 
 
-def _close_tier(index: RootIndex, held: int | None) -> None:
-    if held is not None:
-        os.close(held)  # the digest's lock goes with it
+def _close_tier(index: RootIndex, held: list[int]) -> None:
+    while held:
+        os.close(held.pop())  # the digest's lock goes with it
     index.close()
 
 
