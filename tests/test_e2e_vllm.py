@@ -16,6 +16,7 @@ import pytest
 
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
+from tiercache.tiers.disk import DiskLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -346,7 +347,7 @@ def test_tensor_parallel_2_each_rank_stores_and_loads_its_own_shard(model, workd
     assert cold["num_cached_tokens"] == 0 and hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(hit, tp2_reference)
     # Two ranks, two namespace digests, each with its own copy of every block.
-    rank_dirs = [d for d in disk.iterdir() if d.is_dir()]
+    rank_dirs = [DiskLayout(disk).digest_dir(digest) for digest in DiskLayout(disk).digests()]
     assert len(rank_dirs) == 2
     counts = {len(list(d.rglob("*.safetensors"))) for d in rank_dirs}
     assert counts == {9}

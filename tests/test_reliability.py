@@ -33,6 +33,7 @@ from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.servers import RedisServer, create_bucket
 from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.disk import DiskLayout
 from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
 from tiercache.tiers.s3_runs import check_run_bytes, run_object_name
 
@@ -305,7 +306,8 @@ def faults(world, killed, reference):
                 break
             time.sleep(0.2)
         seen["valid_indexed_after_corruption"] = len(valid)
-        rank_dirs = [p for p in world.disk.iterdir() if p.is_dir()]
+        layout = DiskLayout(world.disk)
+        rank_dirs = [layout.digest_dir(digest) for digest in layout.digests()]
         seen["disk_files_before_unwritable"] = len(list(world.disk.rglob("*.safetensors")))
         for rank_dir in rank_dirs:  # the tier's folder becomes a file: every write fails
             shutil.rmtree(rank_dir)
