@@ -90,9 +90,13 @@ def test_vllms_own_decisions_from_the_class_are_what_tiercache_intends(contract)
     # HMA: vLLM's config asks its factory, which answers what the class declares.
     assert decisions["hma_checked_by_config"]
     assert decisions["hma"] == decisions["class_is_supports_hma"]
+    assert decisions["engine_hma_off_without_connector"] is False
+    assert decisions["engine_hma_off"] is not decisions["class_is_supports_hma"]
     # Full CUDA graphs skip the layer hooks tiercache copies from: piecewise always.
     assert decisions["piecewise_asked_by_config"]
     assert decisions["piecewise"] is True
+    assert decisions["engine_full_graphs_without_connector"] is True
+    assert decisions["engine_full_graphs"] is False
     if contract["expected"] == "0.33":
         assert decisions["sleep_mode"] == "accepted"
     else:

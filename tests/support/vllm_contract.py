@@ -21,10 +21,13 @@ if len(sys.argv) > 1:
     sys.path.insert(0, os.path.abspath(sys.argv[1]))
 # vLLM's config checks read it; the contract must not depend on the caller's.
 os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+# The GPU wheel finds no platform on this machine; its config code runs on the CPU one.
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import CompilationConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import base  # noqa: E402
 
@@ -127,9 +130,25 @@ def hooks(connector_cls: type) -> dict[str, Any]:
     return {"overridden": overridden, "inherited": inherited, "problems": problems}
 
 
+def engine_config(config: KVTransferConfig | None) -> VllmConfig:
+    """vLLM's whole config logic for an engine asking for full CUDA graphs, on a
+    platform that stands in for a GPU's answers: static graphs and the hybrid KV cache
+    manager supported (the CPU platform supports neither, so would decide nothing)."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    platform.support_static_graph_mode = classmethod(lambda cls: True)  # type: ignore[method-assign]
+    platform.support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign]
+    return VllmConfig(
+        kv_transfer_config=config,
+        compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+    )
+
+
 def decisions(config: KVTransferConfig) -> dict[str, Any]:
     """What vLLM decides from the connector class, through vLLM's own code."""
     connector_cls = KVConnectorFactory.get_connector_class(config)
+    plain, ours = engine_config(None), engine_config(config)
     post_init = inspect.getsource(VllmConfig.__post_init__)
     out: dict[str, Any] = {
         "class": f"{connector_cls.__module__}.{connector_cls.__qualname__}",
@@ -142,6 +161,11 @@ def decisions(config: KVTransferConfig) -> dict[str, Any]:
         "piecewise_asked_by_config": "connector_cls.requires_piecewise_for_cudagraph(" in post_init,
         "piecewise": connector_cls.requires_piecewise_for_cudagraph(config.kv_connector_extra_config),
         "sleep_hooks_in_base": hasattr(base.KVConnectorBase_V1, "supports_sleep_mode"),
+        # The same decisions as a whole VllmConfig makes them.
+        "engine_full_graphs_without_connector": plain.compilation_config.cudagraph_mode.has_full_cudagraphs(),
+        "engine_full_graphs": ours.compilation_config.cudagraph_mode.has_full_cudagraphs(),
+        "engine_hma_off_without_connector": plain.scheduler_config.disable_hybrid_kv_cache_manager,
+        "engine_hma_off": ours.scheduler_config.disable_hybrid_kv_cache_manager,
     }
     if out["sleep_hooks_in_base"]:
         # vLLM's own check, as an engine with sleep mode (and its cumem allocator) runs it.
