@@ -9,6 +9,7 @@ driven by vLLM 0.33's own `Worker` code is in test_vllm_versions.py."""
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -40,17 +41,20 @@ def paged_kv() -> dict[str, torch.Tensor]:
     return {name: torch.randn(NUM_BLOCKS, 2, 32, 8) for name in LAYERS}
 
 
-def make_worker(kv: dict[str, torch.Tensor]) -> TierCacheWorker:
+def make_worker(kv: dict[str, torch.Tensor], disk_path=None) -> TierCacheWorker:
     slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
     spec = KVSpec("m", "", "float32", "auto", 32, "cpu", len(kv), 2, 8, 1, 0, "t", slot_bytes)
+    settings: dict = {"cpu": {"capacity": 6 * slot_bytes}}
+    if disk_path is not None:
+        settings["disk"] = {"path": str(disk_path)}
     worker = TierCacheWorker(
-        build_config({"cpu": {"capacity": 6 * slot_bytes}}),
+        build_config(settings),
         spec,
         "digest",
         NUM_BLOCKS,
         tp_rank=0,
         writes_lower_tiers=True,
-        disk_share=0,
+        disk_share=1 << 26 if disk_path is not None else 0,
     )
     worker.register_kv_caches(kv, slot_bytes)
     return worker
@@ -178,5 +182,49 @@ def test_kv_tensors_that_come_back_other_than_registered_turn_the_cache_off():
         assert worker.disabled_reason is not None and "wake-up" in worker.disabled_reason
         step(worker, load(slot=1, gpu_block=7))
         assert worker.take_failed_blocks() == {7}
+    finally:
+        worker.shutdown()
+
+
+def staged_disk_load(worker: TierCacheWorker, req_id: str, slot: int, gpu_block: int) -> None:
+    """A disk hit staging into its slot, as `start_load_kv` leaves it (short of the
+    poll at its end, which could race the staging thread), staged once this returns."""
+    job = LoadJob(req_id, [BlockOp(bytes([1]) * 32, gpu_block, slot, "disk")], True)
+    load = worker._stage(job)
+    worker._async.append(load)
+    deadline = time.monotonic() + 30
+    while not all(future.done() for _, _, future in load.staged):
+        assert time.monotonic() < deadline, "the disk read never finished"
+        time.sleep(0.01)
+
+
+def test_a_disk_hit_staged_across_the_sleep_is_copied_in_only_after_the_wake_up(tmp_path):
+    kv = paged_kv()
+    worker = make_worker(kv, disk_path=tmp_path)
+    try:
+        step(worker, store(gpu_block=3, slot=1))  # written through to disk
+        assert worker.engine.flush(30)
+        cached = {name: kv[name][3].clone() for name in LAYERS}
+
+        # Reported to vLLM before the sleep: waiting for the next forward, which will
+        # not come before the unmap; it goes into the paged KV while still mapped.
+        staged_disk_load(worker, "before", slot=2, gpu_block=6)
+        assert worker.get_finished(set()) == {"before"}
+        worker.take_worker_meta()
+        worker.unregister_kv_caches()
+        assert all(torch.equal(kv[name][6], cached[name]) for name in LAYERS)
+        assert worker.take_worker_meta().counts()[(RELEASED, 2)] == 1  # its slot is free
+
+        # Staged while asleep: it stays in its slot, reported to nobody, until restore.
+        staged_disk_load(worker, "asleep", slot=3, gpu_block=7)
+        assert worker.get_finished(set()) == set()
+        old = remap(kv)
+        old_before = snapshot(old)
+        worker.restore_kv_caches()
+        assert worker.get_finished(set()) == {"asleep"}
+        step(worker, TierCacheMetadata())  # the forward that reads it
+        assert all(torch.equal(kv[name][7], cached[name]) for name in LAYERS)
+        assert same(old, old_before)
+        assert worker.take_failed_blocks() == set()
     finally:
         worker.shutdown()
