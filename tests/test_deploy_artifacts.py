@@ -944,9 +944,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "minimal": {
         "redis": {"enabled": False},
         "minio": {"enabled": False},
-        "tiercache": {"s3": {"enabled": False}, "disk": {"enabled": False}},
+        "tiercache": {
+            "s3": {"enabled": False},
+            "disk": {"enabled": False},
+            "integrityKey": {"existingSecret": "tiercache-integrity"},
+        },
         "nvme": {"type": "emptyDir"},
-        "service": {"adminToken": {"existingSecret": "tiercache-admin"}},
+        "service": {
+            "adminToken": {"existingSecret": "tiercache-admin"},
+            "lookupToken": {"existingSecret": "tiercache-lookup"},
+        },
+        "networkPolicy": {"enabled": False},
     },
     "everything": {
         "nvme": {"type": "localPV", "localPV": {"nodes": ["gpu-a", "gpu-b"]}},
@@ -958,6 +966,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
             ],
         },
         "vllm": {"maxModelLen": 8192, "servedModelName": "qwen", "replicaCount": 2},
+        "service": {"namespaceTokensSecret": "tiercache-namespace-tokens"},
         "s3Credentials": {"accessKeyId": "minio-admin", "secretAccessKey": "minio-admin-secret"},
     },
 }
@@ -1239,3 +1248,168 @@ def test_helm_service_monitor(helm, values, tmp_path):
         assert endpoint["path"] == "/metrics"
         for service in selected:
             assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+# ------------------------------------------------- issue 39: tokens, keys, least privilege
+
+
+def by_name(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workload_containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The main container of every workload, by workload name."""
+    found = {}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+            found[doc["metadata"]["name"]] = pod_spec(doc)["containers"][0]
+    return found
+
+
+def env_sources(container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Variable -> (Secret, key) for each variable read from a Secret."""
+    return {
+        item["name"]: (item["valueFrom"]["secretKeyRef"]["name"], item["valueFrom"]["secretKeyRef"]["key"])
+        for item in container.get("env", [])
+        if "secretKeyRef" in item.get("valueFrom", {})
+    }
+
+
+def secret_value(secrets: dict[str, dict[str, Any]], ref: tuple[str, str]) -> str:
+    import base64
+
+    name, key = ref
+    assert name in secrets, f"Secret {name} is not rendered"
+    return base64.b64decode(secrets[name]["data"][key]).decode()
+
+
+def test_helm_default_network_policies_admit_only_the_release_and_named_peers(helm, tmp_path):
+    """Issue 39, item 5: the NetworkPolicies are on by default."""
+    docs = helm_template(helm, {}, tmp_path)
+    policies = by_name(docs, "NetworkPolicy")
+    assert set(policies) == {RELEASE, f"{RELEASE}-vllm", f"{RELEASE}-redis", f"{RELEASE}-minio"}
+    release = {"app.kubernetes.io/name": "tiercache", "app.kubernetes.io/instance": RELEASE}
+    for policy in policies.values():
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                assert peer["podSelector"]["matchLabels"] == release, peer
+    # Named peers (a router's namespace) reach the service and vLLM only.
+    router = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "routers"}}}
+    docs = helm_template(helm, {"networkPolicy": {"ingressFrom": [router]}}, tmp_path)
+    for name, policy in by_name(docs, "NetworkPolicy").items():
+        peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+        assert (router in peers) == (name in (RELEASE, f"{RELEASE}-vllm")), name
+
+
+def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, tmp_path):
+    """Issue 39, items 5 and 6: the service gets a lookup token, vLLM and the service a
+    32+ character integrity key, each from a Secret the chart generates, and neither
+    reaches the logged connector config."""
+    from tiercache.config import build_config
+    from tiercache.service.auth import ServiceTokens
+
+    docs = helm_template(helm, {}, tmp_path)
+    secrets = by_name(docs, "Secret")
+    containers = workload_containers(docs)
+    service, vllm = containers[RELEASE], containers[f"{RELEASE}-vllm"]
+    service_env = env_sources(service)
+    assert service_env["TIERCACHE_LOOKUP_TOKEN"] == (f"{RELEASE}-lookup", "lookup-token")
+    lookup_token = secret_value(secrets, service_env["TIERCACHE_LOOKUP_TOKEN"])
+    admin_token = secret_value(secrets, service_env["TIERCACHE_ADMIN_TOKEN"])
+    assert len(lookup_token) >= 32 and lookup_token != admin_token
+    tokens = ServiceTokens.from_environment({"TIERCACHE_LOOKUP_TOKEN": lookup_token})
+    assert not tokens.lookups_open
+
+    for container in (service, vllm):
+        ref = env_sources(container)["TIERCACHE_INTEGRITY_KEY"]
+        assert ref == (f"{RELEASE}-integrity", "integrity-key")
+        key = secret_value(secrets, ref)
+        config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY": key})
+        assert config.integrity_key_bytes() == key.encode()
+    assert "integrity" not in arg_value(vllm["args"], "--kv-transfer-config")
+    # Per-namespace tokens: a named Secret, mounted where TIERCACHE_LOOKUP_TOKENS_DIR says.
+    docs = helm_template(helm, VARIANTS["everything"], tmp_path)
+    deployment = by_name(docs, "Deployment")[RELEASE]
+    (container,) = pod_spec(deployment)["containers"]
+    folder = {e["name"]: e.get("value") for e in container["env"]}["TIERCACHE_LOOKUP_TOKENS_DIR"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "tiercache-namespace-tokens"
+    # Switched off, no key and no Secret.
+    docs = helm_template(helm, {"tiercache": {"integrityKey": {"enabled": False}}}, tmp_path)
+    assert f"{RELEASE}-integrity" not in by_name(docs, "Secret")
+    assert all("TIERCACHE_INTEGRITY_KEY" not in env_names(c) for c in workload_containers(docs).values())
+
+
+def test_helm_generated_secrets_are_kept_across_upgrades():
+    """Every Secret the chart generates goes through the template that reads the live
+    Secret back (Helm's `lookup`), so `helm upgrade` keeps its values."""
+    secret = (TEMPLATES / "secret.yaml").read_text()
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    kept = helpers[helpers.index('define "tiercache.keptSecret"') :]
+    kept = kept[: kept.index("{{- end -}}")]
+    assert 'lookup "v1" "Secret"' in kept and "hasKey $liveData $key" in kept
+    generated = re.findall(r"randAlphaNum", secret)
+    assert secret.count('include "tiercache.keptSecret"') >= 4
+    # The S3 root credentials keep theirs inline; every other random value is a keptSecret's.
+    for line in secret.splitlines():
+        if "randAlphaNum" in line and "keptSecret" not in line:
+            assert "$id = " in line or "$secret = " in line, line
+    assert len(generated) >= 6
+
+
+def test_helm_minio_users_are_least_privilege(helm, tmp_path):
+    """Issue 39, item 6: with the bundled MinIO, only MinIO and its bucket Job get the
+    root credentials; vLLM gets a user that may get and put objects under the prefix,
+    the service (the GC) one that may also delete them and list the bucket."""
+    docs = helm_template(helm, {}, tmp_path)
+    secrets = by_name(docs, "Secret")
+    containers = workload_containers(docs)
+    root = f"{RELEASE}-s3"
+    for name, container in containers.items():
+        uses_root = any(secret == root for secret, _ in env_sources(container).values())
+        assert uses_root == (name in (f"{RELEASE}-minio", f"{RELEASE}-minio-bucket")), name
+    users = {
+        "vllm": env_sources(containers[f"{RELEASE}-vllm"]),
+        "gc": env_sources(containers[RELEASE]),
+    }
+    job = containers[f"{RELEASE}-minio-bucket"]
+    job_env = env_sources(job)
+    policies = {e["name"]: json.loads(e["value"]) for e in job["env"] if e["name"].endswith("_POLICY")}
+    prefix = "arn:aws:s3:::tiercache-kv/prod/*"
+    granted = {}
+    for user, env in users.items():
+        assert env["AWS_ACCESS_KEY_ID"] == (f"{RELEASE}-s3-{user}", "AWS_ACCESS_KEY_ID")
+        access_key = secret_value(secrets, env["AWS_ACCESS_KEY_ID"])
+        secret_key = secret_value(secrets, env["AWS_SECRET_ACCESS_KEY"])
+        assert len(secret_key) >= 32 and access_key.startswith(f"tiercache-{user}-")
+        # The Job creates exactly this user, from the same Secret.
+        assert job_env[f"{user.upper()}_ACCESS_KEY_ID"] == env["AWS_ACCESS_KEY_ID"]
+        assert job_env[f"{user.upper()}_SECRET_ACCESS_KEY"] == env["AWS_SECRET_ACCESS_KEY"]
+        granted[user] = {
+            (action, resource)
+            for statement in policies[f"{user.upper()}_POLICY"]["Statement"]
+            for action in statement["Action"]
+            for resource in statement["Resource"]
+            if statement["Effect"] == "Allow"
+        }
+    assert granted["vllm"] == {("s3:GetObject", prefix), ("s3:PutObject", prefix)}
+    assert granted["gc"] == granted["vllm"] | {
+        ("s3:DeleteObject", prefix),
+        ("s3:ListBucket", "arn:aws:s3:::tiercache-kv"),
+        ("s3:GetBucketLocation", "arn:aws:s3:::tiercache-kv"),
+    }
+    script = job["command"][-1]
+    for user in ("vllm", "gc"):
+        call = (
+            f'add_user tiercache-{user} "${user.upper()}_ACCESS_KEY_ID" "${user.upper()}_SECRET_ACCESS_KEY"'
+        )
+        assert call in script
+    for step in ("admin policy create", "admin user add", "admin policy attach"):
+        assert step in script
+    # An external store: the pods share the given credentials, and no users are made.
+    docs = helm_template(helm, VARIANTS["external"], tmp_path)
+    for name in (RELEASE, f"{RELEASE}-vllm"):
+        assert env_sources(workload_containers(docs)[name])["AWS_ACCESS_KEY_ID"][0] == "aws-creds"
+    assert not {f"{RELEASE}-s3-vllm", f"{RELEASE}-s3-gc"} & set(by_name(docs, "Secret"))

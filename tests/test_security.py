@@ -20,12 +20,14 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from tiercache import service
-from tiercache.config import RedisConfig, S3TierConfig, TierCacheConfig, build_config, redact_url
+from tiercache.config import ConfigError, RedisConfig, S3TierConfig, TierCacheConfig, build_config, redact_url
 from tiercache.index import RedisIndex
 from tiercache.keys import HEX_KEY, split_key
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.service import admin as admin_routes
+from tiercache.service import auth
+from tiercache.service import cache as cache_routes
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
@@ -217,9 +219,11 @@ def test_namespaces_with_path_characters_are_refused(namespace):
 
 
 def test_admin_token_is_compared_in_constant_time(tmp_path):
-    source = inspect.getsource(admin_routes)
+    source = inspect.getsource(auth)
     assert "hmac.compare_digest" in source
-    assert "== state.admin_token" not in source and "admin_token ==" not in source
+    for module in (auth, admin_routes, cache_routes):
+        text = inspect.getsource(module)
+        assert "admin ==" not in text and "lookup ==" not in text and "token ==" not in text
     config = build_config({"disk": {"path": str(tmp_path)}}, environ={})
     token = "tok-" + uuid.uuid4().hex
     with TestClient(service.create_app(config, admin_token=token)) as client:
@@ -227,12 +231,101 @@ def test_admin_token_is_compared_in_constant_time(tmp_path):
         for wrong in (token[:-1], token + "x", "", "é" * 10, token.upper()):
             value = f"Bearer {wrong}".encode()  # raw bytes: a non-ASCII token too
             response = client.post("/v1/gc", headers=[(b"authorization", value)])
-            assert response.status_code in (401, 403), (wrong, response.text)
+            assert response.status_code == 401, (wrong, response.text)
         # The right token passes the check (then: no S3 configured, so nothing to collect).
         assert client.post("/v1/gc", headers={"Authorization": f"Bearer {token}"}).status_code == 409
     with TestClient(service.create_app(config, admin_token=None)) as client:
         response = client.post("/v1/gc", headers={"Authorization": "Bearer anything"})
         assert response.status_code == 403
+
+
+# -- the lookup and admin tokens come from the environment or files, never the config ----------
+
+
+def test_tokens_from_variables_files_and_a_namespace_folder(tmp_path):
+    """Issue 39, item 5: TIERCACHE_LOOKUP_TOKEN(_FILE), TIERCACHE_LOOKUP_TOKENS_DIR (a
+    mounted Secret: one file per namespace, its data behind `..data` links) and
+    TIERCACHE_ADMIN_TOKEN(_FILE), read the same way."""
+    secret = tmp_path / "lookup-tokens"
+    data = secret / "..2026_11_27_06_00_00.000000001"
+    data.mkdir(parents=True)
+    (data / "team-a").write_text("token-a\n")
+    (data / "team.b").write_text("token-b")
+    (secret / "..data").symlink_to(data.name)
+    for name in ("team-a", "team.b"):
+        (secret / name).symlink_to(f"..data/{name}")
+    router = tmp_path / "router-token"
+    router.write_text("router-token\n")
+    tokens = auth.ServiceTokens.from_environment(
+        {
+            "TIERCACHE_ADMIN_TOKEN": "admin-token",
+            "TIERCACHE_LOOKUP_TOKEN_FILE": str(router),
+            "TIERCACHE_LOOKUP_TOKENS_DIR": str(secret),
+        }
+    )
+    assert tokens == auth.ServiceTokens(
+        "admin-token", "router-token", {"team-a": "token-a", "team.b": "token-b"}
+    )
+    admin_file = tmp_path / "admin"
+    admin_file.write_text("from-a-file\n")
+    assert (
+        auth.ServiceTokens.from_environment({"TIERCACHE_ADMIN_TOKEN_FILE": str(admin_file)}).admin
+        == "from-a-file"
+    )
+    nothing = auth.ServiceTokens.from_environment({"TIERCACHE_LOOKUP_TOKEN": ""})
+    assert nothing.lookups_open and nothing.admin is None
+    # Not config: a config built beside them never sees or refuses them.
+    environ = {"TIERCACHE_LOOKUP_TOKEN": "x" * 40, "TIERCACHE_LOOKUP_TOKENS_DIR": str(secret)}
+    assert "x" * 40 not in str(
+        build_config({}, environ={**environ, "TIERCACHE_ADMIN_TOKEN_FILE": "/nope"}).redacted()
+    )
+
+    check = auth.TokenCheck(tokens)
+    assert check.grant("token-a") == auth.Grant(namespaces=frozenset({"team-a"}))
+    assert check.grant("router-token").may_look_up("anything")
+    assert check.grant("admin-token").admin and check.grant("admin-token").may_look_up("team.b")
+    assert check.grant("token-a").may_look_up("team-a") and not check.grant("token-a").may_look_up("team.b")
+    assert check.grant(None) == check.grant("") == check.grant("token-a ") == auth.Grant()
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        (
+            {"TIERCACHE_LOOKUP_TOKEN": "a", "TIERCACHE_LOOKUP_TOKEN_FILE": "{dir}/t"},
+            "TIERCACHE_LOOKUP_TOKEN_FILE",
+        ),
+        ({"TIERCACHE_LOOKUP_TOKEN_FILE": "{dir}/missing"}, "TIERCACHE_LOOKUP_TOKEN_FILE: cannot read"),
+        ({"TIERCACHE_ADMIN_TOKEN_FILE": "{dir}/empty"}, "TIERCACHE_ADMIN_TOKEN_FILE: {dir}/empty is empty"),
+        ({"TIERCACHE_LOOKUP_TOKENS_DIR": "{dir}/t"}, "TIERCACHE_LOOKUP_TOKENS_DIR: {dir}/t is not a folder"),
+        ({"TIERCACHE_LOOKUP_TOKENS_DIR": "{dir}/bad"}, "'-bad' in {dir}/bad is not a namespace name"),
+    ],
+)
+def test_unusable_token_settings_are_refused_naming_the_variable(tmp_path, environ, named):
+    (tmp_path / "t").write_text("secret-token-value")
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "-bad").write_text("secret-token-value")
+    environ = {k: v.format(dir=tmp_path) for k, v in environ.items()}
+    with pytest.raises(auth.TokenError) as info:
+        auth.ServiceTokens.from_environment(environ)
+    assert named.format(dir=tmp_path) in str(info.value)
+    assert "secret-token-value" not in str(info.value)
+
+
+def test_integrity_key_from_a_file(tmp_path):
+    """Issue 39, item 6: compose hands the generated key over as a file."""
+    key = "k" * 48
+    (tmp_path / "key").write_text(key + "\n")
+    config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "key")})
+    assert config.integrity_key_bytes() == key.encode()
+    with pytest.raises(ConfigError, match="TIERCACHE_INTEGRITY_KEY_FILE: cannot read"):
+        build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="both set"):
+        build_config(
+            {},
+            environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "key"), "TIERCACHE_INTEGRITY_KEY": key},
+        )
 
 
 # -- bad input to the HTTP API gets a 4xx with a clear message ---------------------------------
