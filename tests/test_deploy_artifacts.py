@@ -184,6 +184,7 @@ def healthcheck_text(service: dict[str, Any]) -> str:
 COMPOSE_SERVICES = {
     "redis",
     "minio",
+    "secrets-init",
     "minio-init",
     "tiercache",
     "vllm",
@@ -229,7 +230,10 @@ def test_compose_minio_and_bucket_init(compose):
     init = services(compose)["minio-init"]
     assert minio.get("healthcheck"), "minio needs a healthcheck for minio-init to wait on"
     assert "server" in command_args(minio)
-    assert depends_on(init) == {"minio": "service_healthy"}
+    assert depends_on(init) == {
+        "minio": "service_healthy",
+        "secrets-init": "service_completed_successfully",
+    }
     assert init.get("restart") == "no", "minio-init is one-shot"
     script = " ".join(command_args(init))
     assert "mc mb --ignore-existing" in script
@@ -264,8 +268,9 @@ def test_compose_tiercache_service(compose):
     assert f"127.0.0.1:{port}/healthz" in healthcheck_text(service)
     assert any(p.endswith(f":{port}") for p in service["ports"])
     env = environment(service)
-    assert env["TIERCACHE_ADMIN_TOKEN"], "the admin endpoints need a token"
-    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+    assert env["TIERCACHE_ADMIN_TOKEN_FILE"], "the admin endpoints need a token"
+    assert env["TIERCACHE_LOOKUP_TOKEN_FILE"], "lookups need a token"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"] and "AWS_SECRET_ACCESS_KEY" not in env
 
 
 def test_compose_tiercache_config_is_valid(compose):
@@ -278,6 +283,99 @@ def test_compose_tiercache_config_is_valid(compose):
 
 
 VLLM_SERVICES = {"vllm": ("gpu", "docker/Dockerfile.vllm"), "vllm-cpu": ("cpu", "docker/Dockerfile.vllm-cpu")}
+
+
+def in_folder(path: str, mount: str, folder: Path) -> str:
+    """A container path under `mount`, as the same file under `folder` here."""
+    assert path.startswith(mount + "/"), (path, mount)
+    return str(folder / path.removeprefix(mount + "/"))
+
+
+def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
+    """Issue 39, items 5 and 6: secrets-init generates, into one volume per role, the
+    integrity key (the same for vLLM and the service), the service's lookup and admin
+    tokens and a MinIO user's credentials for each; minio-init creates those users with
+    their policies; each container reads only its own volume."""
+    import configparser
+
+    from tiercache.config import build_config
+    from tiercache.service.auth import ServiceTokens
+    from tiercache.service.generate_secrets import main as generate_secrets
+
+    init = services(compose)["secrets-init"]
+    assert init["build"]["dockerfile"] == "docker/Dockerfile"
+    assert init["entrypoint"] == ["python", "-m", "tiercache.service.generate_secrets"]
+    args = command_args(init)
+    volume_of = {target: source for source, target in mounts(init)}
+    folders = {volume_of[args[0]]: tmp_path / "service", volume_of[args[1]]: tmp_path / "vllm"}
+    generate_secrets([str(folder) for folder in folders.values()])
+    before = {p: p.read_text() for folder in folders.values() for p in folder.iterdir()}
+    generate_secrets([str(folder) for folder in folders.values()])  # a second `up` keeps them
+    assert {p: p.read_text() for folder in folders.values() for p in folder.iterdir()} == before
+    assert all(path.stat().st_mode & 0o777 == 0o400 for path in before)
+
+    def read_side(service_name: str) -> tuple[dict[str, str], Path]:
+        service = services(compose)[service_name]
+        (volume,) = [source for source, target in mounts(service) if target == "/run/tiercache"]
+        return environment(service), folders[volume]
+
+    service_env, service_dir = read_side("tiercache")
+    keys = {}
+    for name in ("tiercache", "vllm", "vllm-cpu"):
+        env, folder = read_side(name)
+        key_file = in_folder(env["TIERCACHE_INTEGRITY_KEY_FILE"], "/run/tiercache", folder)
+        config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": key_file})
+        keys[name] = config.integrity_key_bytes()
+        credentials = configparser.ConfigParser()
+        credentials.read(in_folder(env["AWS_SHARED_CREDENTIALS_FILE"], "/run/tiercache", folder))
+        user = credentials["default"]["aws_access_key_id"]
+        assert user == ("tiercache-gc" if name == "tiercache" else "tiercache-vllm")
+        assert len(credentials["default"]["aws_secret_access_key"]) >= 32
+        if name != "tiercache":
+            assert not (folder / "lookup-token").exists() and not (folder / "admin-token").exists()
+    assert len(set(keys.values())) == 1 and len(keys["tiercache"]) >= 32
+    tokens = ServiceTokens.from_environment(
+        {
+            name: in_folder(service_env[name], "/run/tiercache", service_dir)
+            for name in ("TIERCACHE_ADMIN_TOKEN_FILE", "TIERCACHE_LOOKUP_TOKEN_FILE")
+        }
+    )
+    assert tokens.admin and tokens.lookup and tokens.admin != tokens.lookup
+
+    # minio-init: each user gets exactly its policy, with the secret key from its volume.
+    minio_init = services(compose)["minio-init"]
+    env = environment(minio_init)
+    script = command_args(minio_init)[0]
+    bucket = tiercache_service_config(compose)["s3"]["bucket"]
+    objects = f"arn:aws:s3:::{bucket}/{tiercache_service_config(compose)['s3']['prefix']}*"
+    allowed = {
+        user: {
+            (action, resource)
+            for statement in json.loads(env[f"{user.upper()}_POLICY"])["Statement"]
+            for action in statement["Action"]
+            for resource in statement["Resource"]
+        }
+        for user in ("vllm", "gc")
+    }
+    assert allowed["vllm"] == {("s3:GetObject", objects), ("s3:PutObject", objects)}
+    assert allowed["gc"] - allowed["vllm"] == {
+        ("s3:DeleteObject", objects),
+        ("s3:ListBucket", f"arn:aws:s3:::{bucket}"),
+        ("s3:GetBucketLocation", f"arn:aws:s3:::{bucket}"),
+    }
+    init_mounts = {target: source for source, target in mounts(minio_init)}
+    for user, volume in (("vllm", "tiercache-vllm-secrets"), ("gc", "tiercache-secrets")):
+        (line,) = [
+            line.strip()
+            for line in script.splitlines()
+            if line.strip().startswith(f"add_user tiercache-{user} ")
+        ]
+        _, policy_name, access_key, secret_file, policy = line.split()
+        assert access_key == f"tiercache-{user}" and policy == f'"${user.upper()}_POLICY"'
+        mount = secret_file.rsplit("/", 1)[0]
+        assert init_mounts[mount] == volume
+    for step in ("mc admin policy create", "mc admin user add", "mc admin policy attach"):
+        assert step in script
 
 
 def kv_transfer_config(service: dict[str, Any]) -> dict[str, Any]:
@@ -300,10 +398,10 @@ def test_compose_vllm_wiring(compose, name):
     assert f"127.0.0.1:{port}/health" in healthcheck_text(service)
     assert any(p.endswith(f":{port}") for p in service["ports"])
     env = environment(service)
-    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
-    minio_env = environment(services(compose)["minio"])
-    assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
-    assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+    # Its own MinIO user's credentials and the integrity key, as files; never the root user.
+    assert env["AWS_SHARED_CREDENTIALS_FILE"] and env["TIERCACHE_INTEGRITY_KEY_FILE"]
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    assert ("tiercache-vllm-secrets", "/run/tiercache") in mounts(service)
 
 
 @pytest.mark.parametrize("name", sorted(VLLM_SERVICES))

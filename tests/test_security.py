@@ -328,6 +328,24 @@ def test_integrity_key_from_a_file(tmp_path):
         )
 
 
+def test_compose_secrets_are_generated_once_and_the_environment_wins(tmp_path):
+    from tiercache.service.generate_secrets import generate
+
+    service_dir, vllm_dir = tmp_path / "service", tmp_path / "vllm"
+    generate(service_dir, vllm_dir, environ={})
+    first = {p.name: p.read_text() for p in service_dir.iterdir()}
+    assert (service_dir / "integrity-key").read_text() == (vllm_dir / "integrity-key").read_text()
+    assert (service_dir / "s3-secret-key").read_text() != (vllm_dir / "s3-secret-key").read_text()
+    assert service_dir.stat().st_mode & 0o777 == 0o700
+    chosen = "chosen-lookup-token-" + uuid.uuid4().hex
+    generate(service_dir, vllm_dir, environ={"TIERCACHE_LOOKUP_TOKEN": chosen})
+    again = {p.name: p.read_text() for p in service_dir.iterdir()}
+    assert again["lookup-token"].strip() == chosen
+    assert {k: v for k, v in again.items() if k != "lookup-token"} == {
+        k: v for k, v in first.items() if k != "lookup-token"
+    }
+
+
 # -- bad input to the HTTP API gets a 4xx with a clear message ---------------------------------
 
 
