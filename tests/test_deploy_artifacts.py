@@ -292,9 +292,9 @@ def in_folder(path: str, mount: str, folder: Path) -> str:
 
 
 def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
-    """Issue 39, items 5 and 6: secrets-init generates, into one volume per role, the
-    integrity key (the same for vLLM and the service), the service's lookup and admin
-    tokens and a MinIO user's credentials for each; minio-init creates those users with
+    """Issue 39, items 5 and 6: secrets-init generates, into one volume per role, vLLM's
+    integrity key, the service's lookup and admin tokens and a MinIO user's credentials
+    for each; minio-init creates those users with
     their policies; each container reads only its own volume."""
     import configparser
 
@@ -323,9 +323,12 @@ def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
     keys = {}
     for name in ("tiercache", "vllm", "vllm-cpu"):
         env, folder = read_side(name)
-        key_file = in_folder(env["TIERCACHE_INTEGRITY_KEY_FILE"], "/run/tiercache", folder)
-        config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": key_file})
-        keys[name] = config.integrity_key_bytes()
+        if name == "tiercache":  # the service never reads pages: no key
+            assert "TIERCACHE_INTEGRITY_KEY_FILE" not in env and not (folder / "integrity-key").exists()
+        else:
+            key_file = in_folder(env["TIERCACHE_INTEGRITY_KEY_FILE"], "/run/tiercache", folder)
+            config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": key_file})
+            keys[name] = config.integrity_key_bytes()
         credentials = configparser.ConfigParser()
         credentials.read(in_folder(env["AWS_SHARED_CREDENTIALS_FILE"], "/run/tiercache", folder))
         user = credentials["default"]["aws_access_key_id"]
@@ -333,7 +336,7 @@ def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
         assert len(credentials["default"]["aws_secret_access_key"]) >= 32
         if name != "tiercache":
             assert not (folder / "lookup-token").exists() and not (folder / "admin-token").exists()
-    assert len(set(keys.values())) == 1 and len(keys["tiercache"]) >= 32
+    assert len(set(keys.values())) == 1 and len(keys["vllm"]) >= 32
     tokens = ServiceTokens.from_environment(
         {
             name: in_folder(service_env[name], "/run/tiercache", service_dir)
@@ -1401,9 +1404,9 @@ def test_helm_default_network_policies_admit_only_the_release_and_named_peers(he
 
 
 def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, tmp_path):
-    """Issue 39, items 5 and 6: the service gets a lookup token, vLLM and the service a
-    32+ character integrity key, each from a Secret the chart generates, and neither
-    reaches the logged connector config."""
+    """Issue 39, items 5 and 6: the service gets a lookup token, vLLM a 32+ character
+    integrity key, each from a Secret the chart generates, and neither reaches the
+    logged connector config."""
     from tiercache.config import build_config
     from tiercache.service.auth import ServiceTokens
 
@@ -1419,12 +1422,13 @@ def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, t
     tokens = ServiceTokens.from_environment({"TIERCACHE_LOOKUP_TOKEN": lookup_token})
     assert not tokens.lookups_open
 
-    for container in (service, vllm):
-        ref = env_sources(container)["TIERCACHE_INTEGRITY_KEY"]
-        assert ref == (f"{RELEASE}-integrity", "integrity-key")
-        key = secret_value(secrets, ref)
-        config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY": key})
-        assert config.integrity_key_bytes() == key.encode()
+    ref = env_sources(vllm)["TIERCACHE_INTEGRITY_KEY"]
+    assert ref == (f"{RELEASE}-integrity", "integrity-key")
+    key = secret_value(secrets, ref)
+    config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY": key})
+    assert config.integrity_key_bytes() == key.encode() and len(key) >= 32
+    # The service and its GC never read pages: no key for them.
+    assert "TIERCACHE_INTEGRITY_KEY" not in env_names(service)
     assert "integrity" not in arg_value(vllm["args"], "--kv-transfer-config")
     # Per-namespace tokens: a named Secret, mounted where TIERCACHE_LOOKUP_TOKENS_DIR says.
     docs = helm_template(helm, VARIANTS["everything"], tmp_path)

@@ -3,11 +3,11 @@ one for the tiercache service, one for vLLM, so that neither gets what it does n
 
     python -m tiercache.service.generate_secrets SERVICE_DIR VLLM_DIR [--owner UID:GID]
 
-Both folders get `integrity-key` (the same key: every writer and reader of the tiers
-shares it), `s3-credentials` (an AWS shared-credentials file, for
+Both folders get `s3-credentials` (an AWS shared-credentials file, for
 AWS_SHARED_CREDENTIALS_FILE) and `s3-secret-key` (the same secret key alone, for the
-job that creates the object-store user). The service's folder also gets `admin-token`
-and `lookup-token`. Its object-store user is `tiercache-gc`, vLLM's `tiercache-vllm`.
+job that creates the object-store user): the service's user is `tiercache-gc`, vLLM's
+`tiercache-vllm`. vLLM's folder also gets `integrity-key` (the service and its GC never
+read pages, so they need no key); the service's gets `admin-token` and `lookup-token`.
 
 A secret already on disk is kept, so restarting the stack changes nothing; a value set
 in the environment (TIERCACHE_INTEGRITY_KEY, TIERCACHE_ADMIN_TOKEN,
@@ -93,9 +93,8 @@ def generate(
 ) -> None:
     environ = os.environ if environ is None else environ
     folders = {"service": SecretFolder(service_dir, owner), "vllm": SecretFolder(vllm_dir, owner)}
-    key = _value(INTEGRITY_KEY, list(folders.values()), environ)
+    folders["vllm"].write(INTEGRITY_KEY, _value(INTEGRITY_KEY, [folders["vllm"]], environ) + "\n")
     for role, folder in folders.items():
-        folder.write(INTEGRITY_KEY, key + "\n")
         secret_key = _value(S3_SECRET_KEY, [folder], environ)
         folder.write(S3_SECRET_KEY, secret_key + "\n")
         folder.write(

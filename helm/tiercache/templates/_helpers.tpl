@@ -182,9 +182,9 @@ data:
 {{- end -}}
 
 {{/*
-Environment shared by vLLM and the service: S3 credentials, the integrity key and the
-Redis URL secret. Call with (dict "ctx" $ "user" "vllm"|"gc"): with the bundled MinIO
-each gets its own least-privilege user.
+Environment shared by vLLM and the service: S3 credentials, the integrity key (vLLM's
+only) and the Redis URL secret. Call with (dict "ctx" $ "user" "vllm"|"gc"): with the
+bundled MinIO each gets its own least-privilege user.
 */}}
 {{- define "tiercache.commonEnv" -}}
 {{- $ctx := .ctx }}
@@ -217,7 +217,8 @@ each gets its own least-privilege user.
 - name: AWS_DEFAULT_REGION
   value: {{ $ctx.Values.tiercache.s3.region | quote }}
 {{- end }}
-{{- if $ctx.Values.tiercache.integrityKey.enabled }}
+{{- /* Only vLLM reads and writes pages; the service and its GC need no key. */}}
+{{- if and $ctx.Values.tiercache.integrityKey.enabled (eq .user "vllm") }}
 - name: TIERCACHE_INTEGRITY_KEY
   valueFrom:
     secretKeyRef:
