@@ -1444,21 +1444,158 @@ def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, t
     assert all("TIERCACHE_INTEGRITY_KEY" not in env_names(c) for c in workload_containers(docs).values())
 
 
-def test_helm_generated_secrets_are_kept_across_upgrades():
-    """Every Secret the chart generates goes through the template that reads the live
-    Secret back (Helm's `lookup`), so `helm upgrade` keeps its values."""
-    secret = (TEMPLATES / "secret.yaml").read_text()
-    helpers = (TEMPLATES / "_helpers.tpl").read_text()
-    kept = helpers[helpers.index('define "tiercache.keptSecret"') :]
-    kept = kept[: kept.index("{{- end -}}")]
-    assert 'lookup "v1" "Secret"' in kept and "hasKey $liveData $key" in kept
-    generated = re.findall(r"randAlphaNum", secret)
-    assert secret.count('include "tiercache.keptSecret"') >= 4
-    # The S3 root credentials keep theirs inline; every other random value is a keptSecret's.
-    for line in secret.splitlines():
-        if "randAlphaNum" in line and "keptSecret" not in line:
-            assert "$id = " in line or "$secret = " in line, line
-    assert len(generated) >= 6
+class LiveSecrets:
+    """A stand-in for a cluster's API server, for `helm template --dry-run=server`: it
+    answers version and discovery requests, serves the Secrets in `secrets` (name ->
+    data) as this release's, and reports every other object absent. No Kubernetes API
+    server can run here (no container runtime, no network), and this is what Helm's
+    `lookup` reads on an upgrade."""
+
+    CORE = {
+        "secrets": "Secret",
+        "configmaps": "ConfigMap",
+        "services": "Service",
+        "serviceaccounts": "ServiceAccount",
+        "persistentvolumeclaims": "PersistentVolumeClaim",
+        "persistentvolumes": "PersistentVolume",
+    }
+    GROUPS = {
+        "apps/v1": {"deployments": "Deployment", "statefulsets": "StatefulSet"},
+        "batch/v1": {"jobs": "Job"},
+        "networking.k8s.io/v1": {"networkpolicies": "NetworkPolicy"},
+        "storage.k8s.io/v1": {"storageclasses": "StorageClass"},
+    }
+
+    def __init__(self, secrets: dict[str, dict[str, str]], namespace: str):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                code, body = api.answer(self.path.split("?")[0])
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.secrets, self.namespace = secrets, namespace
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def resources(group_version: str, kinds: dict[str, str]) -> dict[str, Any]:
+        return {
+            "kind": "APIResourceList",
+            "groupVersion": group_version,
+            "resources": [
+                {
+                    "name": name,
+                    "singularName": "",
+                    "namespaced": kind not in ("PersistentVolume", "StorageClass"),
+                    "kind": kind,
+                    "verbs": ["get", "list", "create", "update", "patch", "delete"],
+                }
+                for name, kind in kinds.items()
+            ],
+        }
+
+    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
+        if path == "/version":
+            return 200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0"}
+        if path == "/api":
+            return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+        if path == "/apis":
+            groups = [
+                {"name": gv.split("/")[0], "versions": [{"groupVersion": gv, "version": gv.split("/")[1]}]}
+                for gv in self.GROUPS
+            ]
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+        if path == "/api/v1":
+            return 200, self.resources("v1", self.CORE)
+        if path.startswith("/apis/") and path[len("/apis/") :] in self.GROUPS:
+            return 200, self.resources(path[len("/apis/") :], self.GROUPS[path[len("/apis/") :]])
+        prefix = f"/api/v1/namespaces/{self.namespace}/secrets/"
+        if path.startswith(prefix) and path[len(prefix) :] in self.secrets:
+            metadata = {
+                "name": path[len(prefix) :],
+                "namespace": self.namespace,
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {
+                    "meta.helm.sh/release-name": RELEASE,
+                    "meta.helm.sh/release-namespace": self.namespace,
+                },
+            }
+            return 200, {
+                "kind": "Secret",
+                "apiVersion": "v1",
+                "metadata": metadata,
+                "data": self.secrets[metadata["name"]],
+            }
+        return 404, {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "reason": "NotFound",
+            "code": 404,
+        }
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_helm_generated_secrets_are_kept_across_upgrades(helm, tmp_path):
+    """Issue 39, items 5 and 6: every generated secret (tokens, integrity key, MinIO
+    users) is read back from the live Secret on upgrade (Helm's `lookup`), so running
+    pods keep working; a key missing from a live Secret is generated."""
+
+    def render(secrets: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        api = LiveSecrets(secrets, "kv")
+        try:
+            result = subprocess.run(
+                [
+                    helm,
+                    "template",
+                    RELEASE,
+                    str(CHART),
+                    "--namespace",
+                    "kv",
+                    "--dry-run=server",
+                    "--disable-openapi-validation",
+                    "--kube-apiserver",
+                    api.url,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=TOOL_TIMEOUT,
+                env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "KUBECONFIG": str(tmp_path / "none")},
+            )
+        finally:
+            api.close()
+        assert result.returncode == 0, result.stderr
+        docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+        return {name: doc["data"] for name, doc in by_name(docs, "Secret").items()}
+
+    installed = render({})
+    expected = {
+        f"{RELEASE}-{suffix}" for suffix in ("s3", "admin", "lookup", "integrity", "s3-vllm", "s3-gc")
+    }
+    assert set(installed) == expected
+    assert render({}) != installed  # a fresh install generates new values ...
+    assert render(installed) == installed  # ... an upgrade keeps the live ones
+    partial = {name: dict(data) for name, data in installed.items()}
+    del partial[f"{RELEASE}-lookup"]
+    upgraded = render(partial)
+    assert upgraded[f"{RELEASE}-admin"] == installed[f"{RELEASE}-admin"]
+    assert upgraded[f"{RELEASE}-lookup"] != installed[f"{RELEASE}-lookup"]
 
 
 def test_helm_minio_users_are_least_privilege(helm, tmp_path):
