@@ -371,7 +371,7 @@ def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
         (line,) = [
             line.strip()
             for line in script.splitlines()
-            if line.strip().startswith(f"add_user tiercache-{user} ")
+            if line.strip().startswith(f"add_user tiercache-{user}-policy ")
         ]
         _, policy_name, access_key, secret_file, policy = line.split()
         assert access_key == f"tiercache-{user}" and policy == f'"${user.upper()}_POLICY"'
@@ -1641,9 +1641,8 @@ def test_helm_minio_users_are_least_privilege(helm, tmp_path):
     }
     script = job["command"][-1]
     for user in ("vllm", "gc"):
-        call = (
-            f'add_user tiercache-{user} "${user.upper()}_ACCESS_KEY_ID" "${user.upper()}_SECRET_ACCESS_KEY"'
-        )
+        variable = user.upper()
+        call = f'add_user tiercache-{user}-policy "${variable}_ACCESS_KEY_ID" "${variable}_SECRET_ACCESS_KEY"'
         assert call in script
     for step in ("admin policy create", "admin user add", "admin policy attach"):
         assert step in script
