@@ -313,6 +313,14 @@ def test_unusable_token_settings_are_refused_naming_the_variable(tmp_path, envir
     assert "secret-token-value" not in str(info.value)
 
 
+def test_serve_refuses_an_unusable_token_setting(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TIERCACHE_LOOKUP_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as info:
+        service.serve(build_config({}, environ={}), port=0)
+    assert info.value.code == 2
+    assert "TIERCACHE_LOOKUP_TOKEN_FILE: cannot read" in caplog.text
+
+
 def test_integrity_key_from_a_file(tmp_path):
     """Issue 39, item 6: compose hands the generated key over as a file."""
     key = "k" * 48
