@@ -1646,8 +1646,16 @@ def test_helm_minio_users_are_least_privilege(helm, tmp_path):
         assert call in script
     for step in ("admin policy create", "admin user add", "admin policy attach"):
         assert step in script
-    # An external store: the pods share the given credentials, and no users are made.
+    # An external store: the pods share the given credentials, and no users are made ...
     docs = helm_template(helm, VARIANTS["external"], tmp_path)
     for name in (RELEASE, f"{RELEASE}-vllm"):
         assert env_sources(workload_containers(docs)[name])["AWS_ACCESS_KEY_ID"][0] == "aws-creds"
     assert not {f"{RELEASE}-s3-vllm", f"{RELEASE}-s3-gc"} & set(by_name(docs, "Secret"))
+    # ... unless the service (the GC) is given its own.
+    external = with_overrides(VARIANTS["external"], {"s3Credentials": {"gcExistingSecret": "aws-gc-creds"}})
+    containers = workload_containers(helm_template(helm, external, tmp_path))
+    assert env_sources(containers[RELEASE])["AWS_SECRET_ACCESS_KEY"] == (
+        "aws-gc-creds",
+        "AWS_SECRET_ACCESS_KEY",
+    )
+    assert env_sources(containers[f"{RELEASE}-vllm"])["AWS_SECRET_ACCESS_KEY"][0] == "aws-creds"

@@ -131,6 +131,11 @@ class Grant:
     every_namespace: bool = False
     namespaces: frozenset[str] = frozenset()
 
+    @property
+    def allows_lookups(self) -> bool:
+        """True when the token is good for lookups in some namespace."""
+        return self.admin or self.every_namespace or bool(self.namespaces)
+
     def may_look_up(self, namespace: str) -> bool:
         return self.admin or self.every_namespace or namespace in self.namespaces
 

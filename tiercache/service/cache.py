@@ -40,7 +40,7 @@ def lookup_grant(
     if state.tokens.lookups_open:
         return None
     grant = state.tokens.grant(credentials.credentials if credentials else None)
-    if not (grant.admin or grant.every_namespace or grant.namespaces):
+    if not grant.allows_lookups:
         raise _unauthorized()
     return grant
 

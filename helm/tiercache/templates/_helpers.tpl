@@ -195,6 +195,8 @@ bundled MinIO each gets its own least-privilege user.
 {{- $s3Secret = include "tiercache.minioUserSecretName" (dict "ctx" $ctx "user" .user) }}
 {{- $idKey = "AWS_ACCESS_KEY_ID" }}
 {{- $secretKey = "AWS_SECRET_ACCESS_KEY" }}
+{{- else if and (not $ctx.Values.minio.enabled) (eq .user "gc") $ctx.Values.s3Credentials.gcExistingSecret }}
+{{- $s3Secret = $ctx.Values.s3Credentials.gcExistingSecret }}
 {{- else if and (not $ctx.Values.minio.enabled) (include "tiercache.s3CredentialsFromSecret" $ctx) }}
 {{- $s3Secret = include "tiercache.s3SecretName" $ctx }}
 {{- end }}
