@@ -321,6 +321,73 @@ def test_serve_refuses_an_unusable_token_setting(tmp_path, monkeypatch, caplog):
     assert "TIERCACHE_LOOKUP_TOKEN_FILE: cannot read" in caplog.text
 
 
+def test_serve_takes_its_lookup_tokens_from_files(tmp_path, redis_url):
+    """`tiercache serve` as the chart runs it: the router token from a file, the
+    per-namespace tokens from a mounted folder; lookups without one get a 401."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tiercache.testing.servers import free_port
+
+    (tmp_path / "router").write_text("router-token-" + uuid.uuid4().hex + "\n")
+    (tmp_path / "namespaces").mkdir()
+    (tmp_path / "namespaces" / "team-a").write_text("team-a-token")
+    config = tmp_path / "service.yaml"
+    config.write_text(f"redis_url: {redis_url}\n")
+    port = free_port()
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("TIERCACHE_")}
+    environ |= {
+        "TIERCACHE_LOOKUP_TOKEN_FILE": str(tmp_path / "router"),
+        "TIERCACHE_LOOKUP_TOKENS_DIR": str(tmp_path / "namespaces"),
+    }
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tiercache.cli", "serve", "--config", str(config), "--port", str(port)],
+        env=environ,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def lookup(namespace: str, token: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        body = json.dumps({"namespace": namespace, "block_hashes": ["ab" * 32]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/lookup", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "tiercache serve did not start"
+                time.sleep(0.2)
+        router = (tmp_path / "router").read_text().strip()
+        assert lookup("team-a", None) == 401
+        assert lookup("team-a", "team-a-token") == 200
+        assert lookup("team-b", "team-a-token") == 401
+        assert lookup("team-b", router) == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "lookups need a token" in text and router not in text and "team-a-token" not in text
+
+
 def test_integrity_key_from_a_file(tmp_path):
     """Issue 39, item 6: compose hands the generated key over as a file."""
     key = "k" * 48
