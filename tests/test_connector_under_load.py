@@ -6,11 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tiercache.config import build_config
+from tiercache.connector.metadata import FILLED, RELEASED
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats
 from tiercache.keys import KVSpec
 
-from support.scheduler_steps import blocks_of, scheduler_output
+from support.scheduler_steps import blocks_of, report, scheduler_output
 
 BLOCK = 32
 PAGE = 4096
@@ -39,9 +40,9 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
     """vLLM puts a request told "load asynchronously" in WAITING_FOR_REMOTE_KVS
     until a worker reports it in finished_recving, and the worker reports only jobs
     marked async. The second of two requests for the same disk prefix in one step
-    found every block's slot already taken by the first's staging, so all its ops
-    were planned as lost, its job was marked sync, and the request waited forever
-    (under load: three requests stuck, the engine polling with nothing to run)."""
+    finds every block's slot already taken by the first's staging: it shares that
+    staging (waits for it, then copies from the same slots), where it used to have
+    every block planned as lost and recomputed after waiting for nothing."""
     sched = make_scheduler(disk=DISK)
     first, second = request("r1", 3), request("r2", 3)
     for h in first.block_hashes:
@@ -51,11 +52,18 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
         sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
     jobs = {job.req_id: job for job in sched.build_connector_meta(scheduler_output()).loads}
     assert jobs["r1"].is_async and [op.tier for op in jobs["r1"].ops] == ["disk"] * 3
-    # The second's blocks are being staged for the first: they fail (vLLM recomputes
-    # them), but the job is still the async load vLLM waits for.
-    assert [op.tier for op in jobs["r2"].ops] == ["", "", ""]
     assert jobs["r2"].is_async
+    shared = [(op.tier, op.after_fill, op.slot) for op in jobs["r2"].ops]
+    assert shared == [("cpu", True, op.slot) for op in jobs["r1"].ops]
     assert sched.gauges()["loads_in_flight"] == 2
+    # Each slot is pinned by both loads: neither's release frees it for the other.
+    assert sched.slots.pinned() == 3
+    for op in jobs["r1"].ops:
+        report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot))
+    assert sched.slots.pinned() == 3
+    for op in jobs["r2"].ops:
+        report(sched, (RELEASED, op.slot))
+    assert sched.slots.pinned() == 0
 
 
 def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup():

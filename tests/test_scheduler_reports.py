@@ -362,6 +362,36 @@ def test_scheduler_and_workers_serve_the_same_kv_whenever_outputs_arrive(tmp_pat
         engine.close()
 
 
+@pytest.mark.parametrize("lag", [0, 1], ids=["outputs seen before the next step", "one step late (async)"])
+def test_a_burst_on_one_prefix_on_disk_loads_each_block_once(tmp_path, lag):
+    """After a restart, a prefix only the disk holds is asked for by several requests
+    at once: two in one step, a third while their staging may still be in flight.
+    Each block is read from disk once; the other requests share that staging (the
+    same CPU slot, copied once it is filled), and every forward reads what the
+    prefix's first request computed: none is told of a hit that is then lost."""
+    prefix = [bytes([7, b]) * 16 for b in range(4)]
+    first = MiniEngine(tmp_path, tp=1, lag=lag, cpu_slots=8)
+    try:
+        first.submit("computes", prefix)
+        first.step()
+        first.drain()
+    finally:
+        first.close()
+    engine = MiniEngine(tmp_path, tp=1, lag=lag, cpu_slots=8)  # restarted: the CPU tier is empty
+    try:
+        assert all(engine.sched.policy.local_tier(block) == "disk" for block in prefix)
+        engine.submit("a", prefix)
+        engine.submit("b", prefix)
+        engine.step()
+        engine.submit("c", prefix)
+        engine.drain()
+        assert engine.loaded["disk"] == len(prefix)  # and MiniEngine saw no block fail
+        assert engine.loaded["cpu"] == 2 * len(prefix)
+        assert engine.sched.slots.pinned() == 0 and not engine.sched._load_slots
+    finally:
+        engine.close()
+
+
 # -- vLLM's own accounting: hits by tier, and /reset_prefix_cache ---------------------
 def test_hits_are_split_by_the_tier_that_holds_them():
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
