@@ -138,3 +138,36 @@ def test_dropped_stores_reach_their_counter():
         step.add(STORES_DROPPED, dropped)
         prom.observe(step.to_dict())
     assert registry.get_sample_value("vllm:tiercache_stores_dropped_total", {"engine": "0"}) == 5
+
+
+def test_a_waiting_request_reuses_its_s3_lookup_but_never_a_stale_hit(redis_url, redis):
+    """vLLM asks about a waiting request every step until it can schedule it. Its
+    S3 lookup (a Redis round trip on the scheduler's thread, which also touches the
+    blocks' last-access scores) is made once and reused while the request waits; its
+    local tiers are looked at afresh each time, and a block whose load failed or
+    that left the disk since is not offered."""
+    from tiercache.connector.metadata import OFF_DISK, READ_FAILED
+    from tiercache.index import RedisIndex
+
+    s3 = {"bucket": "kv", "endpoint_url": "http://127.0.0.1:9"}
+    sched = make_scheduler(disk=DISK, redis_url=redis_url, s3=s3, presence={"enabled": False})
+    req = request("r1", 4)
+    blocks = [bytes(h) for h in req.block_hashes]
+    sched.policy.stored_on_disk(blocks[0])
+    for block in blocks[1:]:
+        RedisIndex(redis).add(sched.model_digest, sched.rank_digests[0], block)
+    asked = []
+    longest_prefix = sched.s3_index.longest_prefix
+    sched.s3_index.longest_prefix = lambda *args: asked.append(args) or longest_prefix(*args)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    sched.build_connector_meta(scheduler_output())  # no room: the request waits
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    sched.build_connector_meta(scheduler_output())
+    assert len(asked) == 1
+    report(sched, (READ_FAILED, blocks[2]))  # its load failed for another request
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    assert len(asked) == 1
+    report(sched, (OFF_DISK, blocks[0]))  # evicted from the disk: S3 is asked about it
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len(asked) == 2
