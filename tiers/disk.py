@@ -36,8 +36,8 @@ from tiercache.tiers.format import (
 # With a pace set, a write looks at it this often (bytes): a 2 MiB block's write stops
 # at most a quarter of the way past the start of a hold (tiercache/foreground.py).
 PIECE_BYTES = 512 * 1024
-# The share of the capacity that objects evicted a moment ago may keep filling, still
-# readable, before their files are unlinked: the scheduler plans a disk load from what
+# How much the files of objects evicted a moment ago may add to the capacity, as a
+# share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
 # the workers last reported, and an object evicted since (by a write running beside
 # the step) must still serve the load planned from it (docs/reliability.md).
 LINGER_SHARE = 32  # one 32nd
@@ -206,7 +206,7 @@ class DiskTier:
         self._writing = 0  # bytes of writes in flight: counted against capacity too
         # Evicted objects whose files are not unlinked yet, oldest first: no longer in
         # the tier (reported removed), but a read planned before the report still finds
-        # them. Counted against the capacity; at most `linger_bytes` of them.
+        # them. At most `linger_bytes` of them, over the capacity.
         self._leaving: OrderedDict[str, int] = OrderedDict()
         self._leaving_bytes = 0
         self.linger_bytes = capacity // LINGER_SHARE
@@ -529,36 +529,39 @@ class DiskTier:
                 self._lock.notify_all()
 
     def _evict_to(self, budget: int) -> None:
-        """Evict the least recently used objects until those held, those being written
-        and those lingering fit `budget`. An evicted object is reported removed at
-        once, but its file lingers (still readable) until the lingering ones outgrow
-        `linger_bytes`: then the oldest lingering file is unlinked first."""
+        """Evict the least recently used objects until those held and those being
+        written fit `budget`. An evicted object is reported removed at once, but its
+        file lingers (still readable) while the lingering files fit `linger_bytes`:
+        past that the oldest of them are unlinked."""
         while True:
             with self._lock:
-                if self._usage + self._writing + self._leaving_bytes <= budget:
+                if self._usage + self._writing <= budget or not self._sizes:
+                    break
+                # Picked and taken in one hold of the lock: a put of the victim that
+                # comes after sees it gone and writes it again, rather than answering
+                # True for a file about to go.
+                victim = next(iter(self._sizes))
+                size = self._take(victim)
+            if size is not None:
+                TIER_EVICTIONS.labels(TIER).inc()
+                self._retire(victim, size)
+            else:
+                self._finish_removal(victim, size)
+        self._unlink_lingering()
+
+    def _unlink_lingering(self) -> None:
+        while True:
+            with self._lock:
+                if self._leaving_bytes <= self.linger_bytes or not self._leaving:
                     return
-                if self._leaving and (self._leaving_bytes >= self.linger_bytes or not self._sizes):
-                    gone, gone_size = self._leaving.popitem(last=False)
-                    self._leaving_bytes -= gone_size
-                    while self._renaming[gone]:
-                        self._lock.wait()
-                    if gone in self._sizes:  # written again meanwhile: the file is the new one
-                        continue
-                    self._removing[gone] += 1
-                    victim, evicted = gone, None
-                elif self._sizes:
-                    # Picked and taken in one hold of the lock: a put of the victim that
-                    # comes after sees it gone and writes it again, rather than answering
-                    # True for a file about to go.
-                    victim = next(iter(self._sizes))
-                    evicted = self._take(victim)
-                else:
-                    return
-            if evicted is None:
-                self._finish_removal(victim, None)  # a lingering file: unlinked now
-                continue
-            TIER_EVICTIONS.labels(TIER).inc()
-            self._retire(victim, evicted)
+                gone, gone_size = self._leaving.popitem(last=False)
+                self._leaving_bytes -= gone_size
+                while self._renaming[gone]:
+                    self._lock.wait()
+                if gone in self._sizes:  # written again meanwhile: the file is the new one
+                    continue
+                self._removing[gone] += 1
+            self._finish_removal(gone, None)
 
     def _retire(self, key: str, size: int) -> None:
         """An evicted object: reported removed, its file left to linger."""
