@@ -563,12 +563,14 @@ class TierCacheWorker:
                 if reads_in_forward(op):
                     self._emit(READ_FAILED, op.block_hash)
                 elif op.tier in (DISK, S3):
+                    self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
                     self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 if op.slot >= 0:
                     self._emit(RELEASED, op.slot)
             if job.is_async:
                 self._finished_recving.add(job.req_id)
         for op in meta.stores:
+            self._fills[op.slot] = _Fill(op.block_hash, _VOID)
             self._emit(FILL_FAILED, (op.block_hash, op.slot))
             self._emit(RELEASED, op.slot)
 
