@@ -260,8 +260,8 @@ class MoverConfig(_Strict):
     )
     # CPU backend only: movers start no new block while a step that serves a hit runs,
     # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since
-    # serving runs with it on and off served the same (docs/benchmarks-e2e.md, "The
-    # write-down gate under serving load").
+    # serving runs with it on and off served the same (docs/benchmarks-e2e.md,
+    # "What the investigations found").
     yield_to_loads: bool = Field(
         default=True,
         description="vLLM's CPU backend: while a step that serves a cache hit runs, the movers start no "
