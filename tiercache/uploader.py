@@ -4,8 +4,8 @@ In a vLLM worker every Python thread shares one interpreter lock with the forwar
 pass, and PyTorch gives that lock up and takes it back around every operator. An
 upload holds it for long stretches (botocore builds, signs and parses each request in
 Python), so the forward waits behind it many times per step; the same uploads from
-a process of their own slow it far less (docs/benchmarks-e2e.md, "Store path" and
-"What the investigations found"). The worker's
+a process of their own slow it far less (a benchmark since removed measured
+both; docs/benchmarks-e2e.md, "Store-path overhead", has the figures). The worker's
 CPU tier therefore lives in shared memory, and this process reads the blocks to
 upload straight from it: what crosses the socket between the two is a slot number,
 a block hash and its header, not the pages. A block that has left its slot (it waits
