@@ -19,6 +19,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from stat import S_IMODE
@@ -41,6 +42,11 @@ from tiercache.tiers.format import (
 # With a pace set, a write looks at it this often (bytes): a 2 MiB block's write stops
 # at most a quarter of the way past the start of a hold (tiercache/foreground.py).
 PIECE_BYTES = 512 * 1024
+# How much the files of objects evicted a moment ago may add to the capacity, as a
+# share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
+# the workers last reported, and an object evicted since (by a write running beside
+# the step) must still serve the load planned from it (docs/reliability.md).
+LINGER_SHARE = 32  # one 32nd
 
 log = logging.getLogger(__name__)
 TIER = DISK
@@ -204,6 +210,12 @@ class DiskTier:
         self._lost: set[str] = set()
         self._synced = time.monotonic()
         self._unused: tuple[float, list[str]] = (-UNUSED_RECHECK_SECONDS, [])
+        # Objects this tier evicted whose files are not unlinked yet, oldest first: out
+        # of the index (reported removed), but a read planned before the report still
+        # finds them. At most `linger_bytes` of them, over the capacity.
+        self._leaving: OrderedDict[str, int] = OrderedDict()
+        self._leaving_bytes = 0
+        self.linger_bytes = capacity // LINGER_SHARE
         self._name = secrets.token_hex(8)  # this tier in the index's removal log
         # Called between the pieces of a write (PIECE_BYTES each): where the engine's
         # foreground gate stops a write under way while a forward loads hits.
@@ -339,6 +351,7 @@ class DiskTier:
                     else:
                         os.replace(tmp, path)
                         renamed = True
+                        self._stop_leaving(key)  # the path holds the new file now
                         try:
                             index.add(key, split_key(key)[0], size, time.time())
                             removed += self._make_room(index, self.capacity - (self._writing - size))
@@ -414,14 +427,35 @@ class DiskTier:
                     break
                 for key, _, size in victims[: _needed(victims, over)]:
                     index.remove(key, self._name)
-                    with contextlib.suppress(OSError):
-                        os.unlink(self.layout.path(key))
+                    with self._lock:
+                        self._leaving[key] = size
+                        self._leaving_bytes += size
                     TIER_EVICTIONS.labels(TIER).inc()
                     evicted.append(key)
                     over -= size
+        self._unlink_lingering(index)
         if unused:
             self._reclaim_unused_folders(index)
         return evicted
+
+    def _unlink_lingering(self, index: RootIndex) -> None:
+        """(Inside index.write().) Unlink the oldest evicted files while they add more
+        than `linger_bytes`; one stored again since is the new object's, and stays."""
+        while True:
+            with self._lock:
+                if self._leaving_bytes <= self.linger_bytes or not self._leaving:
+                    return
+                gone, size = self._leaving.popitem(last=False)
+                self._leaving_bytes -= size
+            if not index.has(gone):
+                _unlink(self.layout.path(gone))
+
+    def _stop_leaving(self, key: str) -> None:
+        """`key`'s lingering file is replaced or removed otherwise."""
+        with self._lock:
+            size = self._leaving.pop(key, None)
+            if size is not None:
+                self._leaving_bytes -= size
 
     def _unused_digests(self, index: RootIndex) -> list[str]:
         """(Inside index.write().) Digests with objects that no running tier uses:
@@ -606,6 +640,7 @@ class DiskTier:
         try:
             with self.index.write() as index:
                 counted = index.remove(key, self._name)
+                self._stop_leaving(key)
                 unlinked = _unlink(path)
                 TIER_USAGE.labels(TIER).set(index.total())
         except sqlite3.Error as error:
@@ -621,6 +656,7 @@ class DiskTier:
     def _forget(self, key: str) -> None:
         """An object whose file is already gone (another process evicted it, or a
         hand removed it): reported now, its entry dropped with the next sync."""
+        self._stop_leaving(key)
         with self._lock:
             self._lost.add(key)
         self._sync_now()
@@ -639,6 +675,8 @@ class DiskTier:
         with contextlib.suppress(sqlite3.Error):
             with self.index.write() as index:
                 removed = self._sync(index)
+                self.linger_bytes = 0  # no load is planned from this tier any more
+                self._unlink_lingering(index)
             self._report(removed)
         while self._held:
             os.close(self._held.pop())
