@@ -6,7 +6,6 @@ and forwards vLLM's calls to the half that exists in this process."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
 
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
-from .prefix_reset import KEEP_TIERS_ENV, follow_prefix_cache_resets
+from .prefix_reset import follow_prefix_cache_resets
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
 from .stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
@@ -295,9 +294,6 @@ class TierCacheConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler is None:
-            return
-        if os.environ.get(KEEP_TIERS_ENV) == "1":
-            log.warning("tiercache: %s=1: tiers are kept at vLLM's prefix-cache resets", KEEP_TIERS_ENV)
             return
         # vLLM's default reset_prefix_cache(), what RL frameworks call after new
         # weights, never calls reset_cache: follow vLLM's own reset instead.

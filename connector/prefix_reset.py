@@ -17,12 +17,6 @@ from typing import Any
 
 log = logging.getLogger("tiercache.connector")
 
-# For benchmarks alone, which compare vLLM's prefix-cache hit of a prompt with a tier
-# hit of it in one engine and reset vLLM's prefix cache between the two: set to "1" in
-# the engine's environment, the connector keeps its tiers at vLLM's resets (those
-# with reset_connector=True still reset them). Never with weight updates.
-KEEP_TIERS_ENV = "TIERCACHE_BENCHMARK_KEEP_TIERS_ON_PREFIX_RESET"
-
 
 def follow_prefix_cache_resets(kv_cache_manager: Any, on_reset: Callable[[bool], None]) -> bool:
     """Call `on_reset(cleared)` after each `reset_prefix_cache()` of this KV cache

@@ -147,16 +147,6 @@ def test_the_default_reset_and_reset_connector_each_reset_the_tiers_once():
     assert connector.scheduler.resets == [True, True, True]
 
 
-def test_the_benchmarks_can_keep_the_tiers_at_vllms_reset(monkeypatch):
-    from tiercache.connector.prefix_reset import KEEP_TIERS_ENV
-
-    monkeypatch.setenv(KEEP_TIERS_ENV, "1")
-    manager = kv_cache_manager()
-    connector = connector_halves(manager)
-    assert manager.reset_prefix_cache() is True
-    assert connector.scheduler.resets == []
-
-
 # -- end to end: new weights in place, then vLLM's reset ---------------------------------
 rng = random.Random(38)
 PROMPT = [rng.randrange(1, 2000) for _ in range(299)]  # 9 full blocks are loadable

@@ -66,13 +66,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tiercache.connector.prefix_reset import KEEP_TIERS_ENV
-
-    if any(entry.get("reset_prefix_cache") for entry in spec["prompts"]):
-        # The benchmarks' reset of vLLM's own prefix cache, between a prefix-cache hit
-        # and a tier hit of one prompt in one engine: the connector, which otherwise
-        # follows every reset vLLM performs, keeps its tiers (read in the engine core).
-        os.environ[KEEP_TIERS_ENV] = "1"
     if any("update_weights" in entry for entry in spec["prompts"]):
         # collective_rpc sends scale_weights, a callable, to the workers pickled.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -114,13 +107,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     default_params = sampling(spec.get("max_tokens", 1))
     results: list[dict[str, Any]] = []
     for prompt in spec["prompts"]:
-        if prompt.get("reset_prefix_cache"):
-            # vLLM's own prefix cache only (not the connector's tiers): the next
-            # request for a cached prompt is then a connector hit, measured in the same
-            # engine as the prefix-cache hit before it.
-            if not llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache")
-            continue
         if "update_weights" in prompt:
             llm.collective_rpc(scale_weights, args=(float(prompt["update_weights"]),))
             continue
