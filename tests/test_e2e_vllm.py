@@ -96,7 +96,6 @@ def first_engine(model, workdir, stack, reference):
         log_stats=True,
         counters="vllm:tiercache_write_holds",
     )
-    print("FIRSTLOG", out["log"])
     return out["results"]
 
 
@@ -133,9 +132,8 @@ def test_disk_hit_from_a_fresh_process(first_engine, model, workdir, reference):
 
 
 def test_s3_hit_from_a_fresh_process_with_empty_disk(first_engine, model, workdir, stack, reference):
-    out = engine(model, workdir, full_config(stack, workdir / "disk-empty"), prompts(("p1", P1)), log_stats=True, counters="vllm:tiercache_failed_blocks")
+    out = engine(model, workdir, full_config(stack, workdir / "disk-empty"), prompts(("p1", P1)))
     hit = out["results"][0]
-    print("S3HIT", hit["num_cached_tokens"], hit.get("counters"), out["log"])
     assert hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(hit, reference["p1"])
     # Promoted from S3 onto this node's disk on the way up.
@@ -159,7 +157,6 @@ def test_a_wrong_s3_secret_is_refused_and_ends_as_a_miss(first_engine, model, wo
     )["results"][0]
     assert_same_output(refused, reference["p1"])
     assert refused["counters"]["tier=s3"] > 0  # the hit was planned, read and refused
-    print("wrong-secret result:", {k: v for k, v in refused.items() if k not in ("token_ids", "logprobs")})
     assert "9 of 9" in where_p1_lives(workdir, config)["s3"]
 
 
