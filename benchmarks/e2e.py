@@ -937,6 +937,8 @@ def main() -> None:
     elif args.what == "disk":
         save(name, run_disk(args))
     elif args.what == "store":
+        if args.s3_server == "seaweedfs":
+            raise SystemExit("--s3-server seaweedfs: store writes through to moto or the sink")
         save(name, run_store(args))
     elif args.what == "table":
         print_ttft(json.loads((RESULTS / f"{args.name or 'ttft'}.json").read_text()))
