@@ -216,7 +216,7 @@ def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
         )
         # The warm-ups store their own prompts, uploaded as each request ends: the
         # settle (longer than s3.pack_flush_seconds) keeps those uploads out of the
-        # timed S3 hits (docs/benchmarks.md, "Inside vLLM: the S3 hit's TTFT").
+        # timed S3 hits (docs/benchmarks.md, "Inside vLLM: the S3 hit's TTFT with runs").
         settle = [{"sleep": 8}]
         runner.run(
             "tiercache_s3",
