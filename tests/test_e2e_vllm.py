@@ -91,7 +91,12 @@ def first_engine(model, workdir, stack, reference):
     out = engine(
         model,
         workdir,
-        {**full_config(stack, workdir / "disk-a"), "movers": {"yield_to_loads": True}},
+        # A loaded machine may take longer than the default 10 s to finish the S3 uploads
+        # at shutdown; the fresh-process S3 test needs every one of them.
+        {
+            **full_config(stack, workdir / "disk-a"),
+            "movers": {"yield_to_loads": True, "shutdown_flush_seconds": 120},
+        },
         prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT), ("sharer", SHARER)),
         log_stats=True,
         counters="vllm:tiercache_write_holds",
