@@ -190,6 +190,13 @@ class MoverConfig(_Strict):
         default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
     )
     shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
+    load_deadline_seconds: float = Field(
+        default=20.0,
+        gt=0,
+        le=600,
+        description="a hit staged from disk or S3 that is not in its CPU slots by then is given up "
+        "and recomputed (its slots are freed once the late read ends, and never served)",
+    )
     # CPU backend only: movers start no new block while a step that serves a hit runs,
     # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since
     # serving runs with it on and off served the same (docs/benchmarks-e2e.md, "The
