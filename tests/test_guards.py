@@ -49,10 +49,15 @@ def vllm_config(model: Path, extra: dict) -> SimpleNamespace:
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(
-            cache_dtype="auto", block_size=BLOCK, kv_cache_dtype_skip_layers=[], prefix_caching_hash_algo="sha256"
+            cache_dtype="auto",
+            block_size=BLOCK,
+            kv_cache_dtype_skip_layers=[],
+            prefix_caching_hash_algo="sha256",
         ),
         load_config=SimpleNamespace(download_dir=None),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config=extra, kv_load_failure_policy="recompute"
+        ),
         kv_events_config=None,
     )
 
