@@ -267,10 +267,13 @@ class TierCacheConnector(KVConnectorBase_V1):
         worker = self.worker
         if worker is None:
             return None, None
-        # Loads given up on are in the answer too: vLLM must not wait for them for ever.
+        # Failed, the loads in flight are given up: vLLM must not wait for them for ever.
         nothing: set[str] = set()
         done = self._guarded(
-            "get_finished", lambda: worker.get_finished(finished_req_ids), worker.take_finished, nothing
+            "get_finished",
+            lambda: worker.get_finished(finished_req_ids),
+            worker.fail_loads_in_flight,
+            nothing,
         )
         return None, done or None
 

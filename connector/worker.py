@@ -657,8 +657,12 @@ class TierCacheWorker:
         except Exception:
             log.exception("tiercache: while settling a failed step")
 
-    def take_finished(self) -> set[str]:
-        """Loads reported done so far (get_finished's answer when it raised)."""
+    def fail_loads_in_flight(self) -> set[str]:
+        """get_finished raised: every load still staging is given up (reported failed),
+        lest a request wait on a poll that keeps failing; the loads reported done."""
+        loads, self._async = self._async, []
+        for load in loads:
+            self._give_up(load)
         done, self._finished_recving = self._finished_recving, set()
         return done
 

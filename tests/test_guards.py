@@ -14,6 +14,7 @@ step is over, the failure counted in the connector's stats."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from tiercache.connector import guard as guard_module
+from tiercache.connector.load_failures import BACKOFF_SECONDS
 from tiercache.connector.metadata import TierCacheMetadata
 
 from support.scheduler_steps import blocks_of, new_request, scheduler_output
@@ -148,6 +150,15 @@ class Engine:
         self.scheduler.request_finished(req, gpu_blocks)
         return hit
 
+    def settle(self) -> None:
+        """Steps until no CPU slot is pinned (the write-downs to disk ended), or a while."""
+        deadline = time.monotonic() + 10
+        while True:
+            self.step()
+            if not self.pinned() or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
     def pinned(self) -> int:
         scheduler = self.scheduler.scheduler
         assert scheduler is not None
@@ -197,13 +208,39 @@ def inject(engine: Engine, monkeypatch, half: str, where: str) -> None:
     monkeypatch.setattr(target, name, boom)
 
 
+def evict_to_disk(engine: Engine, req) -> None:
+    """Wait until the disk holds `req`'s blocks, then drop them from the CPU tier: the
+    next hit on them is staged from disk, an async load."""
+    scheduler = engine.scheduler.scheduler
+    assert scheduler is not None
+    deadline = time.monotonic() + 30
+    while not all(bytes(h) in scheduler.policy.on_disk for h in req.block_hashes):
+        assert time.monotonic() < deadline, "the write-through to disk did not end"
+        time.sleep(0.01)
+        engine.step()
+    for block_hash in req.block_hashes:
+        scheduler.policy.fill_failed(bytes(block_hash), scheduler.slots.slot_of(bytes(block_hash)))
+
+
+@pytest.mark.parametrize("hit", ["cpu hit", "disk hit, staged"])
 @pytest.mark.parametrize("hook", list(HOOKS))
-def test_an_exception_in_any_hook_costs_a_recompute_never_an_error(hook, model_dir, monkeypatch, caplog):
-    engine = Engine(model_dir)
+def test_an_exception_in_any_hook_costs_a_recompute_never_an_error(
+    hook, hit, model_dir, tmp_path, monkeypatch, caplog
+):
+    staged = hit == "disk hit, staged"
+    # The cost model off: a stand-in forward costs nothing, so it would skip every disk hit.
+    disk = {
+        "disk": {"path": str(tmp_path / "disk"), "load_in_forward": False},
+        "movers": {"cost_model": "off"},
+    }
+    extra = disk if staged else {}
+    engine = Engine(model_dir, extra)
     try:
         stored = request("r1", 3)
         assert engine.prompt(stored, [1, 2, 3, 4]) == 0
         engine.step()  # the stores' reports arrive
+        if staged:
+            evict_to_disk(engine, stored)
         want = {block: engine.block(block) for block in (1, 2, 3)}
         assert engine.pinned() == 0
 
@@ -211,20 +248,25 @@ def test_an_exception_in_any_hook_costs_a_recompute_never_an_error(hook, model_d
             inject(engine, patch, *HOOKS[hook])
             with caplog.at_level(logging.ERROR, logger="tiercache"):
                 # Three blocks hit, a fourth stored.
-                hit = engine.prompt(request("r2", 4), [5, 6, 7, 8, 15])
+                hit_tokens = engine.prompt(request("r2", 4), [5, 6, 7, 8, 15])
                 engine.step()
         assert "injected" in caplog.text  # logged with its traceback
         assert engine.stats.get("hook_failures", 0) >= 1, engine.stats
         # Every block vLLM was told is cached either holds its KV or is reported failed.
-        for source, target in list(zip((1, 2, 3), (5, 6, 7), strict=True))[: hit // BLOCK]:
+        for source, target in list(zip((1, 2, 3), (5, 6, 7), strict=True))[: hit_tokens // BLOCK]:
             if target not in engine.invalid:
                 got = engine.block(target)
                 assert all(torch.equal(a, b) for a, b in zip(got, want[source], strict=True)), target
 
-        # The step is over: nothing stays pinned, and the cache serves again.
-        engine.step()
-        if HOOKS[hook][1] not in ("take_worker_meta",):
-            assert engine.pinned() == 0
+        # The step is over: nothing stays pinned (once the write-down to disk ended),
+        # and once the failed blocks' backoff is over the cache serves them whole again.
+        engine.settle()
+        assert engine.pinned() == 0
+        scheduler = engine.scheduler.scheduler
+        assert scheduler is not None
+        later = BACKOFF_SECONDS + guard_module.OFF_SECONDS  # a failure in every step turns it off
+        scheduler.load_failures.clock = lambda: time.monotonic() + later
+        engine.worker.guard.clock = engine.scheduler.guard.clock = lambda: time.monotonic() + later
         engine.invalid.clear()
         assert engine.prompt(request("r3", 3), [9, 10, 11, 12]) == 3 * BLOCK
         assert not engine.invalid
