@@ -73,6 +73,17 @@ def kv_cache_config() -> SimpleNamespace:
     )
 
 
+@pytest.fixture(autouse=True)
+def tiercache_logging():
+    """The connector sends tiercache's records through vLLM's logger when it is built;
+    later tests capture them at the root logger, as they were."""
+    ours = logging.getLogger("tiercache")
+    saved = ours.handlers[:], ours.propagate, ours.level
+    yield
+    ours.handlers[:], ours.propagate = saved[0], saved[1]
+    ours.setLevel(saved[2])
+
+
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
     path = tmp_path / "model"
