@@ -24,6 +24,7 @@ import torch
 from tiercache.connector import guard as guard_module
 from tiercache.connector.load_failures import BACKOFF_SECONDS
 from tiercache.connector.metadata import TierCacheMetadata
+from tiercache.connector.worker import TierCacheWorker
 
 from support.scheduler_steps import blocks_of, new_request, scheduler_output
 
@@ -283,6 +284,33 @@ def test_an_exception_in_any_hook_costs_a_recompute_never_an_error(
         assert not engine.invalid
         for source, target in zip((1, 2, 3), (9, 10, 11), strict=True):
             assert all(torch.equal(a, b) for a, b in zip(engine.block(target), want[source], strict=True))
+    finally:
+        engine.close()
+
+
+def test_the_hooks_outside_a_step_never_raise_either(model_dir, monkeypatch):
+    """register_kv_caches (the worker serves without the cache from then on),
+    update_connector_output, reset_cache and shutdown: no exception reaches vLLM."""
+    with monkeypatch.context() as patch:
+        patch.setattr(TierCacheWorker, "register_kv_caches", boom)
+        engine = Engine(model_dir)
+    try:
+        assert engine.worker.worker is not None and engine.worker.worker.engine is None
+        assert engine.prompt(request("r1", 3), [1, 2, 3, 4]) == 0
+        engine.step()
+        assert engine.pinned() == 0  # every store reported failed and released
+        assert engine.prompt(request("r2", 3), [5, 6, 7, 8]) == 0  # nothing was stored
+
+        scheduler = engine.scheduler.scheduler
+        assert scheduler is not None
+        with monkeypatch.context() as patch:
+            for name in ("update_connector_output", "reset_cache", "close"):
+                patch.setattr(scheduler, name, boom)
+            patch.setattr(engine.worker.worker, "shutdown", boom)
+            engine.step()  # update_connector_output
+            assert engine.scheduler.reset_cache() is False  # vLLM hears the reset failed
+            engine.close()
+        assert engine.stats.get("hook_failures", 0) >= 1
     finally:
         engine.close()
 
