@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tiercache.testing.faulty_connector import FAULTS_ENV
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 
@@ -422,7 +423,7 @@ def test_connector_failures_never_reach_vllm_nor_change_its_outputs(model, workd
     out = run_engine(
         {**spec, "log_stats": True, "counters": "vllm:tiercache_hook_failures"},
         workdir / "runs",
-        env={"TIERCACHE_TEST_FAULTS": faults},
+        env={FAULTS_ENV: faults},
     )
     for result in out["results"]:
         assert_same_output(result, reference[result["name"]])

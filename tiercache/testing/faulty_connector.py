@@ -1,7 +1,7 @@
 """A TierCacheConnector that fails on purpose, for the end-to-end test of its guard
 (connector/guard.py) inside a real vLLM engine.
 
-`TIERCACHE_TEST_FAULTS` lists methods of the connector's two halves to break, as
+`TC_TEST_FAULTS` lists methods of the connector's two halves to break, as
 "worker.start_load_kv,scheduler.build_connector_meta"; each raises on every other call
 (the first, the third, ...), so one run sees failed steps beside sound ones. The
 variable reaches the engine core and the workers with the rest of the environment."""
@@ -15,7 +15,8 @@ from typing import Any
 
 from tiercache.connector.connector import TierCacheConnector
 
-FAULTS_ENV = "TIERCACHE_TEST_FAULTS"
+# Not TIERCACHE_*: those are read as settings (config.env_overrides).
+FAULTS_ENV = "TC_TEST_FAULTS"
 
 
 class InjectedFault(RuntimeError):
