@@ -32,6 +32,7 @@ from .worker import TierCacheWorker
 if TYPE_CHECKING:
     # For annotations only, as vLLM's own base class imports them.
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
@@ -170,6 +171,15 @@ class TierCacheConnector(KVConnectorBase_V1):
         # vLLM never asks.
         return True
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.33 asks before it starts an engine with sleep mode. The worker
+        # follows the remap: `unregister_kv_caches` ends its copies and drops every
+        # reference to the paged KV, `restore_kv_caches` rebuilds them from the
+        # tensors vLLM registered. (vLLM also resets the connector's cache when it
+        # sleeps, so the tiers start anew after a wake-up.)
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped store is a later miss, never lost work.
@@ -224,6 +234,28 @@ class TierCacheConnector(KVConnectorBase_V1):
                 "register_kv_caches",
                 lambda: worker.register_kv_caches(kv_caches, self.slot_bytes),
                 lambda: worker.disable("registering the KV caches failed: tiercache is off for this engine"),
+                None,
+            )
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33, before sleep mode unmaps the paged KV.
+        worker = self.worker
+        if worker is not None:
+            self._guarded(
+                "unregister_kv_caches",
+                worker.unregister_kv_caches,
+                lambda: worker.disable("dropping the KV caches for sleep mode failed: tiercache is off"),
+                None,
+            )
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33, once a wake-up has mapped the paged KV again.
+        worker = self.worker
+        if worker is not None:
+            self._guarded(
+                "restore_kv_caches",
+                worker.restore_kv_caches,
+                lambda: worker.disable("restoring the KV caches after sleep mode failed: tiercache is off"),
                 None,
             )
 
