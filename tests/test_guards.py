@@ -315,6 +315,26 @@ def test_the_hooks_outside_a_step_never_raise_either(model_dir, monkeypatch):
         engine.close()
 
 
+@pytest.mark.parametrize("hook", ["unregister_kv_caches", "restore_kv_caches"])
+def test_sleep_mode_hooks_that_fail_turn_the_worker_off_never_raise(hook, model_dir, monkeypatch):
+    engine = Engine(model_dir)
+    try:
+        assert engine.prompt(request("r1", 3), [1, 2, 3, 4]) == 0
+        engine.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.worker.worker, hook, boom)
+            getattr(engine.worker, hook)()
+        assert engine.worker.worker is not None and engine.worker.worker.engine is None
+        # The scheduler still plans the hit; the worker fails it, and vLLM recomputes.
+        engine.invalid.clear()
+        assert engine.prompt(request("r2", 3), [5, 6, 7, 8]) == 3 * BLOCK
+        assert {5, 6, 7} <= engine.invalid
+        engine.settle()
+        assert engine.pinned() == 0
+    finally:
+        engine.close()
+
+
 def test_repeated_failures_turn_the_connector_off_until_it_comes_back_by_itself(model_dir, monkeypatch):
     now = [1000.0]
     engine = Engine(model_dir)
