@@ -6,8 +6,8 @@ and forwards vLLM's calls to the half that exists in this process."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,7 +20,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiercache.block_hashing import BlockHashing, shareable_seed
 from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers.disk import disk_root_problem
 
+from .guard import HookGuard
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
 from .prefix_reset import follow_prefix_cache_resets
 from .scheduler import TierCacheScheduler, slot_bytes_for
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("tiercache.connector")
+
+T = TypeVar("T")
 
 _HIT_SOURCES = {
     CPU: CacheHitSource.HOST,
@@ -103,6 +107,12 @@ class TierCacheConnector(KVConnectorBase_V1):
         except ConfigError as error:
             # Raised at engine start, before any request: a clear message, not a trace.
             raise ValueError(str(error)) from None
+        if self.config.disk is not None:
+            problem = disk_root_problem(self.config.disk.path)
+            if problem is not None:
+                # Serving without the disk tier beats an engine that cannot start.
+                log.error("tiercache: %s: the disk tier is off (the CPU and S3 tiers still serve)", problem)
+                self.config = self.config.model_copy(update={"disk": None})
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A cache that cannot serve a block must cost a recompute, never a failed
             # request; vLLM reads this policy after it builds the connector.
@@ -116,6 +126,11 @@ class TierCacheConnector(KVConnectorBase_V1):
         # The running reset_prefix_cache call has reset the tiers already (see
         # bind_kv_cache_manager); its reset_cache, if the caller asked for one, is done.
         self._reset_followed = False
+        # No exception of tiercache's reaches vLLM: each hook below runs under the guard.
+        self.guard = HookGuard("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        self._failed_step: TierCacheMetadata | None = None  # the worker's step settled as a miss
+        # Per request: (num_computed_tokens, async) of the last hit announced to vLLM.
+        self._announced: dict[str, tuple[int, bool]] = {}
         if role == KVConnectorRole.SCHEDULER:
             from vllm.platforms import current_platform
 
@@ -130,6 +145,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 kv_in_host_memory=current_platform.device_type == "cpu",
             )
             self._gauges = GaugeReport("scheduler")
+            self._guard_gauges = GaugeReport("scheduler-guard")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -147,6 +163,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 writes_lower_tiers=len(specs) > 1 or rank == 0,
                 disk_share=disk_share,
             )
+            self._guard_gauges = GaugeReport(f"rank{rank}-guard")
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -174,20 +191,79 @@ class TierCacheConnector(KVConnectorBase_V1):
         # A best-effort cache: a dropped store is a later miss, never lost work.
         return False
 
+    # -- the guard ------------------------------------------------------------------
+    def _guarded(self, hook: str, call: Callable[[], T], recover: Callable[[], T] | None, default: T) -> T:
+        """`call`'s answer; should it raise, the error is logged and counted (the guard
+        may turn the connector off) and the hook answers `recover()` (or `default`)
+        instead: the answer of a miss."""
+        try:
+            return call()
+        except Exception as error:
+            self.guard.failed(hook, error)
+        if recover is not None:
+            try:
+                return recover()
+            except Exception:
+                log.exception("tiercache: recovering from a failed %s failed too", hook)
+        return default
+
+    def _worker_step(
+        self,
+        hook: str,
+        meta: TierCacheMetadata | None,
+        work: Callable[[TierCacheWorker, TierCacheMetadata], None],
+    ) -> None:
+        """A worker hook of the step `meta`. A step with a hook that raised, or begun
+        while the connector is off, is settled as a miss (`TierCacheWorker.fail_step`),
+        and the rest of its hooks do nothing."""
+        worker = self.worker
+        if worker is None or meta is None or meta is self._failed_step:
+            return
+        try:
+            worker.track(meta)
+            if not self.guard.off:
+                work(worker, meta)
+                return
+        except Exception as error:
+            self.guard.failed(hook, error)
+        self._failed_step = meta
+        try:
+            worker.fail_step(meta)
+        except Exception:
+            log.exception("tiercache: settling a failed step failed too")
+
     # -- worker side --------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self.worker is not None:
-            self.worker.register_kv_caches(kv_caches, self.slot_bytes)
+        worker = self.worker
+        if worker is not None:
+            self._guarded(
+                "register_kv_caches",
+                lambda: worker.register_kv_caches(kv_caches, self.slot_bytes),
+                lambda: worker.disable("registering the KV caches failed: tiercache is off for this engine"),
+                None,
+            )
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33, before sleep mode unmaps the paged KV.
-        if self.worker is not None:
-            self.worker.unregister_kv_caches()
+        worker = self.worker
+        if worker is not None:
+            self._guarded(
+                "unregister_kv_caches",
+                worker.unregister_kv_caches,
+                lambda: worker.disable("dropping the KV caches for sleep mode failed: tiercache is off"),
+                None,
+            )
 
     def restore_kv_caches(self) -> None:
         # vLLM 0.33, once a wake-up has mapped the paged KV again.
-        if self.worker is not None:
-            self.worker.restore_kv_caches()
+        worker = self.worker
+        if worker is not None:
+            self._guarded(
+                "restore_kv_caches",
+                worker.restore_kv_caches,
+                lambda: worker.disable("restoring the KV caches after sleep mode failed: tiercache is off"),
+                None,
+            )
 
     def _meta(self) -> TierCacheMetadata | None:
         meta = self._connector_metadata
@@ -195,49 +271,70 @@ class TierCacheConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM's first call with each step's metadata, before it prepares the inputs.
-        if self.worker is not None and isinstance(kv_connector_metadata, TierCacheMetadata):
-            self.worker.step_arrives(kv_connector_metadata)
+        if isinstance(kv_connector_metadata, TierCacheMetadata):
+            self._worker_step(
+                "handle_preemptions", kv_connector_metadata, lambda worker, meta: worker.step_arrives(meta)
+            )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM binds each step's metadata right before the step's forward.
         super().bind_connector_metadata(connector_metadata)
-        meta = self._meta()
-        if self.worker is not None and meta is not None:
-            self.worker.forward_begins(meta)
+        self._worker_step(
+            "bind_connector_metadata", self._meta(), lambda worker, meta: worker.forward_begins(meta)
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._meta()
-        if self.worker is not None and meta is not None:
-            self.worker.start_load_kv(meta)
+        self._worker_step("start_load_kv", self._meta(), lambda worker, meta: worker.start_load_kv(meta))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.worker is not None:
-            self.worker.wait_for_layer(layer_name)
+        self._worker_step(
+            "wait_for_layer_load", self._meta(), lambda worker, _: worker.wait_for_layer(layer_name)
+        )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        meta = self._meta()
-        if self.worker is not None and meta is not None:
-            self.worker.save_layer(layer_name, meta)
+        self._worker_step(
+            "save_kv_layer", self._meta(), lambda worker, meta: worker.save_layer(layer_name, meta)
+        )
 
     def wait_for_save(self) -> None:
-        meta = self._meta()
-        if self.worker is not None and meta is not None:
-            self.worker.wait_for_save(meta)
+        self._worker_step("wait_for_save", self._meta(), lambda worker, meta: worker.wait_for_save(meta))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker is None:
+        worker = self.worker
+        if worker is None:
             return None, None
-        return None, self.worker.get_finished(finished_req_ids) or None
+        # Failed, the loads in flight are given up: vLLM must not wait for them for ever.
+        nothing: set[str] = set()
+        done = self._guarded(
+            "get_finished",
+            lambda: worker.get_finished(finished_req_ids),
+            worker.fail_loads_in_flight,
+            nothing,
+        )
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_failed_blocks() if self.worker is not None else set()
+        worker = self.worker
+        if worker is None:
+            return set()
+        return self._guarded("get_block_ids_with_load_errors", worker.take_failed_blocks, None, set())
 
     def build_connector_worker_meta(self) -> TierCacheWorkerMetadata | None:
-        return self.worker.take_worker_meta() if self.worker is not None else None
+        worker = self.worker
+        if worker is None:
+            return None
+        return self._guarded("build_connector_worker_meta", worker.take_worker_meta, None, None)
 
     def get_kv_connector_stats(self) -> TierCacheStats | None:
+        stats = self._guarded("get_kv_connector_stats", self._half_stats, None, None) or TierCacheStats()
+        for key, count in self.guard.take_counts().items():
+            stats.add(key, count)
+        self._guard_gauges.add_to(stats, {"connector_off": int(self.guard.off)})
+        return None if stats.is_empty() else stats
+
+    def _half_stats(self) -> TierCacheStats | None:
         if self.scheduler is not None:
             # vLLM asks the scheduler side too, after each step's update.
             stats = TierCacheStats()
@@ -251,23 +348,53 @@ class TierCacheConnector(KVConnectorBase_V1):
         return self.worker.take_stats()
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.close()
+        worker, scheduler = self.worker, self.scheduler
+        if worker is not None:
+            self._guarded("shutdown", worker.shutdown, None, None)
+        if scheduler is not None:
+            self._guarded("shutdown", scheduler.close, None, None)
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if self.guard.off:
+            return 0, False
+        tokens, is_async = self._guarded(
+            "get_num_new_matched_tokens",
+            lambda: scheduler.get_num_new_matched_tokens(request, num_computed_tokens),
+            None,
+            (0, False),
+        )
+        if tokens:
+            self._announced[request.request_id] = (num_computed_tokens, is_async)
+        return tokens, is_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        announced = self._announced.pop(request.request_id, None)
+
+        def plan_failed_load() -> None:
+            # vLLM counts the announced tokens as loaded (or waits for them): a load
+            # whose every block fails makes it recompute them instead.
+            if num_external_tokens and announced is not None:
+                computed, is_async = announced
+                first = computed // scheduler.block_size
+                count = num_external_tokens // scheduler.block_size
+                gpu_blocks = list(blocks.get_block_ids()[0][first : first + count])
+                scheduler.plan_failed_load(request.request_id, gpu_blocks, is_async)
+
+        self._guarded(
+            "update_state_after_alloc",
+            lambda: scheduler.update_state_after_alloc(request, blocks, num_external_tokens),
+            plan_failed_load,
+            None,
+        )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -275,23 +402,46 @@ class TierCacheConnector(KVConnectorBase_V1):
         # vLLM's metrics know host memory and disk; S3 is a remote store, which vLLM
         # files under "external_unspecified". A split that does not add up is left
         # to vLLM's own fallback.
-        assert self.scheduler is not None
-        tiers = self.scheduler.hit_tiers(request.request_id, num_external_tokens)
-        return {_HIT_SOURCES[tier]: tokens for tier, tokens in tiers.items() if tokens}
+        scheduler = self.scheduler
+        assert scheduler is not None
+
+        def sources() -> dict[CacheHitSource, int]:
+            tiers = scheduler.hit_tiers(request.request_id, num_external_tokens)
+            return {_HIT_SOURCES[tier]: tokens for tier, tokens in tiers.items() if tokens}
+
+        return self._guarded("get_external_cache_hit_sources", sources, None, {})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
-        assert self.scheduler is not None
+        scheduler = self.scheduler
+        assert scheduler is not None
         self._reset_followed = False  # a step between: any later reset_cache is a reset of its own
-        return self.scheduler.build_connector_meta(scheduler_output)
+        # Failed, the step's plan is its loads, each failed (vLLM has scheduled them).
+        meta = self._guarded(
+            "build_connector_meta",
+            lambda: scheduler.build_connector_meta(scheduler_output),
+            scheduler.fail_step,
+            TierCacheMetadata(),
+        )
+        if self.guard.off and meta.stores:
+            # Off: nothing is stored. (The loads go on: vLLM waits for those planned.)
+            stores, meta.stores, meta.store_reads = meta.stores, [], {}
+            self._guarded("build_connector_meta", lambda: scheduler.drop_stores(stores), None, None)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_connector_output(connector_output)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        self._guarded(
+            "update_connector_output", lambda: scheduler.update_connector_output(connector_output), None, None
+        )
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         # vLLM drains this after every step and publishes it with its own GPU block
         # events (--kv-events-config); see connector/events.py.
-        return self.scheduler.take_events() if self.scheduler is not None else ()
+        scheduler = self.scheduler
+        if scheduler is None:
+            return ()
+        return self._guarded("take_events", scheduler.take_events, None, [])
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -302,23 +452,32 @@ class TierCacheConnector(KVConnectorBase_V1):
         follow_prefix_cache_resets(kv_cache_manager, self._follow_prefix_cache_reset)
 
     def _follow_prefix_cache_reset(self, cleared: bool) -> None:
-        assert self.scheduler is not None
-        self.scheduler.reset_cache(vllm_cache_cleared=cleared)
-        self._reset_followed = True
+        scheduler = self.scheduler
+        assert scheduler is not None
+        # Called from inside vLLM's reset_prefix_cache: guarded like every hook. Only a
+        # reset that happened makes a following reset_cache(reset_connector=True) moot.
+        self._reset_followed = self._guarded(
+            "reset_cache", lambda: scheduler.reset_cache(vllm_cache_cleared=cleared), None, False
+        )
 
     def reset_cache(self) -> bool | None:
-        if self.scheduler is None:
+        scheduler = self.scheduler
+        if scheduler is None:
             return None
         if self._reset_followed:
             # reset_prefix_cache(reset_connector=True): vLLM's reset of its own prefix
             # cache, just before this call, reset the tiers already.
             self._reset_followed = False
             return True
-        return self.scheduler.reset_cache()
+        return self._guarded("reset_cache", scheduler.reset_cache, None, False)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
-        return self.scheduler.request_finished(request)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        self._announced.pop(request.request_id, None)
+        return self._guarded(
+            "request_finished", lambda: scheduler.request_finished(request), None, (False, None)
+        )
 
     # -- metrics ----------------------------------------------------------------------
     @classmethod

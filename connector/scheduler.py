@@ -196,6 +196,7 @@ class TierCacheScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._step = 0  # steps planned so far (build_connector_meta)
         self._pending_loads: list[LoadJob] = []
+        self._building: TierCacheMetadata | None = None  # the step build_connector_meta is planning
         self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
         self.ledger = ReportLedger(worker_count, self.disk_reporters)
@@ -507,6 +508,7 @@ class TierCacheScheduler:
             loads_early=not _touches_blocks_before_forward(scheduler_output),
             reuses_prefix=_starts_over_cached_blocks(scheduler_output),
         )
+        self._building = meta  # what fail_step undoes, should this raise
         if self.cost is not None and self._computes_prompt(scheduler_output):
             meta.timed_tokens = scheduler_output.total_num_scheduled_tokens
         self._pending_loads = []
@@ -533,6 +535,7 @@ class TierCacheScheduler:
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
         self._step += 1
         self._hit_tiers.clear()
+        self._building = None
         return meta
 
     def _note_store_reads(self, meta: TierCacheMetadata) -> None:
@@ -653,3 +656,38 @@ class TierCacheScheduler:
         """What must come back to zero once traffic stops, for vLLM's /metrics: CPU
         slots pinned by transfers, and requests waiting on a disk or S3 load."""
         return {"pinned_slots": self.slots.pinned(), "loads_in_flight": len(self._load_slots)}
+
+    # -- after a failure (connector/guard.py) -------------------------------------------
+    def fail_step(self) -> TierCacheMetadata:
+        """`build_connector_meta` raised: the plan that goes out instead. vLLM has
+        scheduled the loads planned for this step all the same, so they go out as
+        loads whose every block fails (vLLM recomputes them, and hears each async one
+        finished); the slots they and the step's stores pinned are freed here, and no
+        store is made."""
+        building, self._building = self._building, None
+        jobs = building.loads if building is not None else self._pending_loads
+        stores = building.stores if building is not None else []
+        self._pending_loads = []
+        failed: list[LoadJob] = []
+        for job in jobs:
+            for op in job.ops:
+                if op.slot >= 0:
+                    if op.tier != CPU:  # a slot claimed to stage into: never filled
+                        self.policy.fill_failed(op.block_hash, op.slot)
+                    self.policy.release(op.slot)
+            ops = [BlockOp(op.block_hash, op.gpu_block, -1, "") for op in job.ops]
+            failed.append(LoadJob(job.req_id, ops, job.is_async))
+        self.drop_stores(stores)
+        return TierCacheMetadata(loads=failed)
+
+    def plan_failed_load(self, req_id: str, gpu_blocks: list[int], is_async: bool) -> None:
+        """`update_state_after_alloc` raised for a request vLLM now expects `gpu_blocks`
+        loaded into: a load whose every block fails, so vLLM recomputes them."""
+        ops = [BlockOp(b"", block, -1, "") for block in gpu_blocks]
+        self._pending_loads.append(LoadJob(req_id, ops, is_async))
+
+    def drop_stores(self, stores: list[BlockOp]) -> None:
+        """These planned stores will not be made: forget their blocks, free their slots."""
+        for op in stores:
+            self.policy.fill_failed(op.block_hash, op.slot)
+            self.policy.release(op.slot)

@@ -29,12 +29,25 @@ _COUNTERS = {
 }
 # counter name in vLLM's /metrics -> (stats key, help), without labels of their own
 STORES_DROPPED = "stores_dropped"
+LOADS_TIMED_OUT = "loads_timed_out"
 _PLAIN_COUNTERS = {
     "vllm:tiercache_stored_blocks": ("stored_blocks", "Blocks copied into the tiercache CPU tier"),
     "vllm:tiercache_stores_dropped": (
         STORES_DROPPED,
         "Blocks not stored because every tiercache CPU slot was held by a transfer "
         "(the CPU tier is too small for the pace of the write-down to disk and S3)",
+    ),
+    "vllm:tiercache_hook_failures": (
+        "hook_failures",
+        "Connector hooks that raised: the step's loads were recomputed and its stores dropped",
+    ),
+    "vllm:tiercache_connector_off_trips": (
+        "connector_off_trips",
+        "Times the connector turned itself off for a while after repeated failures",
+    ),
+    "vllm:tiercache_loads_timed_out": (
+        LOADS_TIMED_OUT,
+        "Loads from disk or S3 not staged by movers.load_deadline_seconds, recomputed instead",
     ),
     "vllm:tiercache_write_holds": (
         "write_holds",
@@ -72,6 +85,11 @@ GAUGES = {
     "stores_in_flight": (
         "vllm:tiercache_stores_in_flight",
         "tiercache blocks queued or being written down to disk or S3",
+    ),
+    "connector_off": (
+        "vllm:tiercache_connector_off",
+        "Halves of the tiercache connector (scheduler, each worker) turned off for a while after "
+        "repeated failures",
     ),
 }
 

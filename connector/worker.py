@@ -18,6 +18,7 @@ from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.foreground import OUTPUT_GRACE
 from tiercache.keys import KVSpec
+from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread
 from tiercache.tiers.cpu import CpuBuffer, slots_for
@@ -43,7 +44,7 @@ from .metadata import (
     TierCacheWorkerMetadata,
     Timing,
 )
-from .stats import GaugeReport, TierCacheStats
+from .stats import LOADS_TIMED_OUT, GaugeReport, TierCacheStats
 
 log = logging.getLogger("tiercache.connector")
 
@@ -169,6 +170,10 @@ class TierCacheWorker:
         # The metadata of the step whose synchronous loads have started (step_arrives or
         # start_load_kv, whichever came first).
         self._loads_started: TierCacheMetadata | None = None
+        # Load and store ops of the steps seen (`track`) whose slot, or whose report
+        # as failed, is still owed, by id: what `fail_step` settles after an error.
+        self._owed: dict[int, BlockOp] = {}
+        self._tracked: TierCacheMetadata | None = None
         # The KV tensors vLLM registered, kept to rebuild the copier on
         # `restore_kv_caches` (sleep mode), and how the dropped copier copied.
         self._registered_kv: dict[str, torch.Tensor] | None = None
@@ -524,30 +529,100 @@ class TierCacheWorker:
         self._release(step.ops, step.staged_ok)
 
     def _poll_async(self) -> None:
+        """Load what staging finished; give up on loads past their deadline. Each load
+        apart: one that raises fails alone (its blocks recomputed), and the first such
+        error is raised once every load has been seen to."""
         if self.copier is None:
             return  # the paged KV is unmapped (sleep mode): loads copy in after restore
         still = []
+        error: Exception | None = None
+        deadline = self.config.movers.load_deadline_seconds
         for load in self._async:
-            if not all(future.done() for future in load.waits_on()):
-                still.append(load)
-                continue
-            now = time.perf_counter()
-            staged_ok = {id(op): fill is not None and fill.ok() for op, fill in load.after_fills}
-            for tier, ops, future in load.staged:
-                staged_ok.update({id(op): ok for op, ok in zip(ops, future.result(), strict=True)})
-                # A failed read counts too: the request waited for it all the same.
-                # (The done-callback may not have run yet when the future reads done.)
-                self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
-            slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
-            self._stats.observe_load(slowest, now - load.started)
-            if self._layerwise_ready():
-                # vLLM schedules the request no earlier than the next step, whose
-                # forward waits for each layer: the copy overlaps that forward.
-                self._load_layerwise([load.job.ops], staged_ok, started=None)
+            if all(future.done() for future in load.waits_on()):
+                try:
+                    self._end_async(load)
+                except Exception as failure:
+                    error = error or failure
+                    self._give_up(load)
+            elif time.perf_counter() - load.started > deadline:
+                log.warning(
+                    "tiercache: a load of %d blocks was not staged within movers.load_deadline_seconds "
+                    "(%.1f s): recomputed instead",
+                    len(load.job.ops),
+                    deadline,
+                )
+                self._stats.add(LOADS_TIMED_OUT, 1)
+                LOADS_TIMED_OUT_METRIC.inc()
+                self._give_up(load)
             else:
-                self._finish_load(load.job.ops, staged_ok)
-            self._finished_recving.add(load.job.req_id)
+                still.append(load)
         self._async = still
+        if error is not None:
+            raise error
+
+    def _end_async(self, load: _AsyncLoad) -> None:
+        """A load whose staging is over: copy it into the paged KV (now, or beside the
+        next forward) and report its request finished receiving."""
+        now = time.perf_counter()
+        staged_ok = {id(op): fill is not None and fill.ok() for op, fill in load.after_fills}
+        for tier, ops, future in load.staged:
+            staged_ok.update({id(op): ok for op, ok in zip(ops, future.result(), strict=True)})
+            # A failed read counts too: the request waited for it all the same.
+            # (The done-callback may not have run yet when the future reads done.)
+            self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
+        slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
+        self._stats.observe_load(slowest, now - load.started)
+        if self._layerwise_ready():
+            # vLLM schedules the request no earlier than the next step, whose
+            # forward waits for each layer: the copy overlaps that forward.
+            self._load_layerwise([load.job.ops], staged_ok, started=None)
+        else:
+            self._finish_load(load.job.ops, staged_ok)
+        self._finished_recving.add(load.job.req_id)
+
+    def _give_up(self, load: _AsyncLoad) -> None:
+        """Report a staged load's blocks failed (vLLM recomputes them) and its request
+        finished receiving. A staging still reading keeps its slots pinned until it
+        ends, so nothing it writes late lands in a slot given to another block, and
+        its blocks are reported failed now, so the scheduler never serves them."""
+        now = time.perf_counter()
+        late: set[int] = set()
+        for tier, ops, future in load.staged:
+            if not future.done():
+                future.cancel()  # not started yet: it never will
+            # What the tier cost the request, finished or not: the cost model learns it.
+            self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
+            if not future.done():
+                for op in ops:
+                    self._owed.pop(id(op), None)
+                    self._failed_blocks.add(op.gpu_block)
+                    self._count_loaded(op.tier, ok=False)
+                    self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
+                    self._emit(FILL_FAILED, (op.block_hash, op.slot))
+                late.update(id(op) for op in ops)
+                slots = [op.slot for op in ops]
+                future.add_done_callback(lambda _, slots=slots: self._release_slots(slots))  # type: ignore[misc]
+        self._fail_ops([op for op in load.job.ops if id(op) not in late])
+        self._finished_recving.add(load.job.req_id)
+
+    def _release_slots(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._emit(RELEASED, slot)
+
+    def _fail_ops(self, ops: list[BlockOp]) -> None:
+        """Loads not made: their blocks reported failed, the slots they still pin
+        released. Where the connector tracks the steps, an op it settled already is
+        passed over; without it, the ops are taken to be all unsettled."""
+        for op in ops:
+            self._failed_blocks.add(op.gpu_block)
+            if self._owed.pop(id(op), None) is None and self._tracked is not None:
+                continue
+            self._count_loaded(op.tier, ok=False)
+            if op.slot >= 0:
+                if op.tier != CPU:  # a slot claimed to stage into, never filled
+                    self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
+                    self._emit(FILL_FAILED, (op.block_hash, op.slot))
+                self._emit(RELEASED, op.slot)
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """Copy the good blocks into the paged KV; report the rest as failed."""
@@ -588,6 +663,7 @@ class TierCacheWorker:
     def _release(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """The load is in the paged KV: give the slots back (or promote to disk)."""
         for op in ops:
+            self._owed.pop(id(op), None)
             if op.slot < 0:
                 continue
             if staged_ok.get(id(op)) and self._promotes_to_disk(op.tier):
@@ -605,6 +681,7 @@ class TierCacheWorker:
     def _fail_all(self, meta: TierCacheMetadata) -> None:
         for job in meta.loads:
             for op in job.ops:
+                self._owed.pop(id(op), None)
                 self._failed_blocks.add(op.gpu_block)
                 if reads_in_forward(op):
                     self._emit(READ_FAILED, op.block_hash)
@@ -616,9 +693,87 @@ class TierCacheWorker:
             if job.is_async:
                 self._finished_recving.add(job.req_id)
         for op in meta.stores:
+            self._owed.pop(id(op), None)
             self._fills[op.slot] = _Fill(op.block_hash, _VOID)
             self._emit(FILL_FAILED, (op.block_hash, op.slot))
             self._emit(RELEASED, op.slot)
+
+    # -- after a failure (connector/guard.py) -----------------------------------------
+    def track(self, meta: TierCacheMetadata) -> None:
+        """The connector hands each step's metadata here before any hook of the step
+        runs: its ops are owed a release (or a failure report) until settled."""
+        if meta is self._tracked:
+            return
+        self._tracked = meta
+        for job in meta.loads:
+            for op in job.ops:
+                self._owed[id(op)] = op
+        for op in meta.stores:
+            self._owed[id(op)] = op
+
+    def fail_step(self, meta: TierCacheMetadata) -> None:
+        """A hook of this step raised: settle what the step left undone as a miss. The
+        copies beside the forward end first (nothing may touch a slot or block after
+        this); then its loads, and the earlier hits this forward was copying in, are
+        reported failed where not yet in the paged KV (vLLM recomputes them), its async
+        loads finished receiving, the slots they pin released, and its stores that
+        were not handed to the movers dropped (never reported filled alone)."""
+        steps, self._layerwise = self._layerwise, []
+        saving, self._saving = self._saving, None
+        for step in steps:
+            self._quietly(step.load.finish)
+            if step.disk is not None:
+                self._quietly(step.disk.close)
+        if saving is not None:
+            self._quietly(saving.finish)
+        self._layers_this_step = []
+        jobs = {id(job) for job in meta.loads}
+        for load in [load for load in self._async if id(load.job) in jobs]:
+            self._async.remove(load)
+            self._give_up(load)
+        self._fail_ops(
+            [op for job in meta.loads for op in job.ops] + [op for step in steps for op in step.ops]
+        )
+        for job in meta.loads:
+            if job.is_async:
+                self._finished_recving.add(job.req_id)
+        for op in meta.stores:
+            if self._owed.pop(id(op), None) is not None:
+                self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
+                self._emit(FILL_FAILED, (op.block_hash, op.slot))
+                self._emit(RELEASED, op.slot)
+        engine = self.engine
+        if engine is not None:  # the step is over: no hold outlives it
+            self._quietly(lambda: engine.foreground.release_after(OUTPUT_GRACE))
+
+    @staticmethod
+    def _quietly(call) -> None:
+        """Part of undoing a failed step: one more error must not stop the rest."""
+        try:
+            call()
+        except Exception:
+            log.exception("tiercache: while settling a failed step")
+
+    def fail_loads_in_flight(self) -> set[str]:
+        """get_finished raised: every load still staging is given up (reported failed),
+        lest a request wait on a poll that keeps failing; the loads reported done."""
+        loads, self._async = self._async, []
+        for load in loads:
+            self._give_up(load)
+        done, self._finished_recving = self._finished_recving, set()
+        return done
+
+    def disable(self, reason: str) -> None:
+        """Serve without the cache from now on: every load fails, nothing is stored
+        (loads in flight are given up, so no request waits for them)."""
+        self.disabled_reason = reason
+        log.error("tiercache: %s", reason)
+        loads, self._async = self._async, []
+        for load in loads:
+            self._quietly(lambda load=load: self._give_up(load))
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            self._quietly(engine.close)
 
     # -- stores ---------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: TierCacheMetadata) -> None:
@@ -666,6 +821,7 @@ class TierCacheWorker:
         for op in meta.stores:
             self._fills[op.slot] = _Fill(op.block_hash, _VOID if op.req_id in void else _STORED)
             if op.req_id in void:
+                self._owed.pop(id(op), None)
                 self._emit(STORE_VOID, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
         self._stats.add("stored_blocks", len(ops))
@@ -681,6 +837,7 @@ class TierCacheWorker:
                 )
             else:
                 self._emit(RELEASED, op.slot)
+            self._owed.pop(id(op), None)
         self._end_groups(meta)
 
     def _computed_over_failed_loads(self, meta: TierCacheMetadata) -> set[str]:

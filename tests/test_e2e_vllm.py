@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tiercache.testing.faulty_connector import FAULTS_ENV
 from tiercache.testing.model import write_tiny_llama
 from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 from tiercache.tiers.disk import DiskLayout
@@ -437,3 +438,29 @@ def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack
     found = where_p1_lives(workdir, full_config(stack, workdir / "disk-a"))
     assert "9 of 9" in found["s3"], found
     assert "9 of 9" in found["disk"], found
+
+
+def test_connector_failures_never_reach_vllm_nor_change_its_outputs(model, workdir, reference):
+    """Issue 39, item 3, inside a real engine: hooks of both halves raise every other
+    call (tiercache/testing/faulty_connector.py). The engine serves every prompt,
+    each output agrees with the run without the connector, and the failures are
+    counted on vLLM's metrics."""
+    faults = (
+        "scheduler.build_connector_meta,scheduler.update_state_after_alloc,"
+        "worker.start_load_kv,worker.wait_for_layer,worker.wait_for_save,worker.get_finished"
+    )
+    kv = {
+        **connector_config(loading_every_hit({"disk": {"path": str(workdir / "disk-faulty")}})),
+        "kv_connector": "FaultyTierCacheConnector",
+        "kv_connector_module_path": "tiercache.testing.faulty_connector",
+    }
+    items = prompts(("p1", P1), ("p1", P1), ("p2", P2), ("p1", P1), ("sharer", SHARER), ("p1", P1))
+    spec = {"model": model, "kv_transfer_config": kv, "prompts": items}
+    out = run_engine(
+        {**spec, "log_stats": True, "counters": "vllm:tiercache_hook_failures"},
+        workdir / "runs",
+        env={FAULTS_ENV: faults},
+    )
+    for result in out["results"]:
+        assert_same_output(result, reference[result["name"]])
+    assert sum(out["results"][-1]["counters"].values()) >= 1

@@ -448,7 +448,8 @@ def test_hits_are_split_by_the_tier_that_holds_them():
     hit = request("r2", blocks)
     assert sched.get_num_new_matched_tokens(hit, 0) == (3 * BLOCK, True)
     sched.update_state_after_alloc(hit, blocks_of([5, 6, 7, 8]), 3 * BLOCK)
-    connector = SimpleNamespace(scheduler=sched)
+    # The scheduler half alone, its hooks run unguarded.
+    connector = SimpleNamespace(scheduler=sched, _guarded=lambda hook, call, recover, default: call())
     sources = TierCacheConnector.get_external_cache_hit_sources(connector, hit, 3 * BLOCK)
     assert sources == {CacheHitSource.HOST: 2 * BLOCK, CacheHitSource.DISK: BLOCK}
     # Asked with a count the plan does not add up to: vLLM's own fallback decides.

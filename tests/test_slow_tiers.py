@@ -125,3 +125,138 @@ def test_a_slow_redis_costs_a_lookup_a_bounded_wait_then_nothing(redis_server):
         finally:
             guarded.close()
             proxy.stop()
+
+
+# -- issue 39, item 4: a slow tier is a miss, not a stall --------------------------------
+def tiered_cache(tmp_path, redis_url, bucket, s3_url: str, **movers) -> tuple[LocalTierCache, ObjectShape]:
+    config = build_config(
+        {
+            "redis_url": redis_url,
+            "cpu": {"capacity": SLOTS * BLOCK},
+            "disk": {"path": str(tmp_path / "disk"), "capacity": "64MiB"},
+            "s3": {"bucket": bucket, "endpoint_url": s3_url, "region": "us-east-1", "max_attempts": 1},
+            "movers": {"upload_process": False, **movers},
+        },
+        environ={},
+    )
+    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
+    return LocalTierCache(config, shape, pin_memory=False), shape
+
+
+def test_slow_s3_reads_never_hold_a_disk_hit_behind_them(tmp_path, redis_url, bucket, slow_s3):
+    """Each S3 hit staging holds a stager thread for the whole of its read. With S3
+    and disk hits on the same threads, as many slow S3 hits as threads held every
+    disk hit behind them (issue 39, item 4): the disk hit here was done only after an
+    S3 read ended. Now it is done while every S3 read still waits."""
+    slow_s3.delay = 0.0
+    cache, shape = tiered_cache(tmp_path, redis_url, bucket, slow_s3.url, workers=2)
+    try:
+        for i in range(4):
+            assert cache.put(block(i), payload(i), group=i) is not None
+        assert cache.engine.flush(30)
+        for i in range(4):
+            assert cache.engine.index.locate(shape.model_digest, shape.rank_digest, block(i)) is not None
+        slow_s3.delay = 1.0  # each S3 read now takes seconds
+        engine = cache.engine
+        s3_loads = [engine.stage_many([(block(i), i, "s3")]) for i in range(3)]  # more than the threads
+        disk_load = engine.stage_many([(block(3), 3, "disk")])
+        assert disk_load.result(timeout=60) == [True]
+        assert not any(load.done() for load in s3_loads), "the disk hit waited for an S3 read"
+        assert [load.result(timeout=60) for load in s3_loads] == [[True]] * 3  # slow, not failed
+    finally:
+        slow_s3.delay = 0.0
+        cache.close()
+
+
+def test_an_s3_run_record_that_does_not_decode_is_a_miss(tmp_path, redis_url, bucket, s3_endpoint):
+    """A run record in Redis that cannot be decoded raised struct.error out of the S3
+    read, into the connector's hooks (issue 39, item 3)."""
+    import redis as redis_client
+
+    from tiercache.index import RUN_ID_BYTES, index_keys
+
+    cache, shape = tiered_cache(tmp_path, redis_url, bucket, s3_endpoint)
+    try:
+        assert cache.put(block(1), payload(1), group=1) is not None
+        assert cache.engine.flush(30)
+        blocks_key, _, records_key = index_keys(shape.model_digest, shape.rank_digest)
+        client = redis_client.Redis.from_url(redis_url)
+        run = client.hget(blocks_key, block(1))[:RUN_ID_BYTES]
+        client.hset(records_key, run, b"\x01")  # too short for its header
+        out = memoryview(bytearray(BLOCK))
+        assert cache.engine.read_s3([(block(1), out)]) == [False]
+        assert cache.engine.stage_many([(block(1), 0, "s3")]).result(timeout=30) == [False]
+    finally:
+        cache.close()
+
+
+def test_a_staged_load_past_its_deadline_is_a_recompute_and_its_late_read_lands_nowhere(
+    tmp_path, redis_url, bucket, slow_s3
+):
+    """A hit staged from an S3 that answers late: once movers.load_deadline_seconds
+    has passed, its request is reported finished receiving with its block failed
+    (vLLM recomputes it) while the read still runs; the block's slot is released
+    only once that read ended, and its bytes never reach the paged KV."""
+    import torch
+
+    from tiercache.connector.metadata import FILL_FAILED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
+    from tiercache.connector.worker import TierCacheWorker
+    from tiercache.keys import KVSpec
+
+    slow_s3.delay = 0.0
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv = {name: torch.randn(2, 10, 16, 2, 8) for name in layers}  # FlashAttention's layout
+    slot_bytes = 2 * 2 * 16 * 2 * 8 * 4
+    spec = KVSpec("m", "", "float32", "auto", 16, "cpu", 2, 2, 8, 1, 0, "t", slot_bytes)
+    config = build_config(
+        {
+            "redis_url": redis_url,
+            "cpu": {"capacity": 8 * slot_bytes},
+            "s3": {
+                "bucket": bucket,
+                "endpoint_url": slow_s3.url,
+                "region": "us-east-1",
+                "max_attempts": 1,
+                "pack_flush_seconds": 0.1,
+            },
+            "movers": {"upload_process": False, "load_deadline_seconds": 0.3},
+        },
+        environ={},
+    )
+    worker = TierCacheWorker(
+        config, spec, uuid.uuid4().hex[:16], 10, tp_rank=0, writes_lower_tiers=True, disk_share=0
+    )
+    worker.register_kv_caches(kv, slot_bytes)
+    assert worker.engine is not None
+    try:
+        hashed = uuid.uuid4().bytes * 2
+        store = TierCacheMetadata(stores=[BlockOp(hashed, 3, 1, "cpu", "w")], stores_done=["w"])
+        worker.start_load_kv(store)
+        worker.wait_for_save(store)
+        assert worker.engine.flush(30)
+        worker.take_worker_meta()
+        before = {name: t[:, 7].clone() for name, t in kv.items()}
+
+        slow_s3.delay = 2.0
+        load = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(hashed, 7, 5, "s3")], is_async=True)])
+        worker.start_load_kv(load)
+        worker.wait_for_save(load)
+        (staging,) = [future for pending in worker._async for _, _, future in pending.staged]
+        deadline = time.monotonic() + 30
+        while "r" not in worker.get_finished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not staging.done(), "reported only once the read ended"
+        assert worker.take_failed_blocks() == {7}
+        reports = [(kind, value) for _, kind, value in worker.take_worker_meta().reports]
+        assert (FILL_FAILED, (hashed, 5)) in reports
+        assert (RELEASED, 5) not in reports  # the late read still writes into it
+        assert worker.take_stats().data.get("loads_timed_out") == 1
+
+        slow_s3.stop()  # the read ends (failed) at once
+        staging.exception(timeout=30)
+        released = [value for _, kind, value in worker.take_worker_meta().reports if kind == RELEASED]
+        assert released == [5]
+        assert all(torch.equal(kv[name][:, 7], before[name]) for name in layers)
+    finally:
+        slow_s3.delay = 0.0
+        worker.shutdown()

@@ -251,10 +251,20 @@ class MoverConfig(_Strict):
         description="queued writes to lower tiers; past it a store is dropped",
     )
     workers: int = Field(
-        default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
+        default=4,
+        ge=1,
+        le=64,
+        description="threads per pool: write-down, disk staging, S3 staging, and disk reads for hits",
     )
     shutdown_flush_seconds: float = Field(
         default=10.0, ge=0, le=600, description="seconds at shutdown to finish queued writes"
+    )
+    load_deadline_seconds: float = Field(
+        default=20.0,
+        gt=0,
+        le=600,
+        description="a hit staged from disk or S3 that is not in its CPU slots by then is given up "
+        "and recomputed (its slots are freed once the late read ends, and never served)",
     )
     # CPU backend only: movers start no new block while a step that serves a hit runs,
     # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since

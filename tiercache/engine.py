@@ -83,15 +83,23 @@ class TierEngine:
         self._integrity_key = config.integrity_key_bytes()
         self.disk: DiskTier | None = None
         if config.disk is not None:
-            self.disk = DiskTier(
-                config.disk.path,
-                disk_capacity or config.disk.capacity,
-                o_direct=config.disk.o_direct,
-                fsync=config.disk.fsync,
-                integrity_key=self._integrity_key,
-                on_remove=on_disk_remove,
-                digest=shape.rank_digest,
-            )
+            try:
+                self.disk = DiskTier(
+                    config.disk.path,
+                    disk_capacity or config.disk.capacity,
+                    o_direct=config.disk.o_direct,
+                    fsync=config.disk.fsync,
+                    integrity_key=self._integrity_key,
+                    on_remove=on_disk_remove,
+                    digest=shape.rank_digest,
+                )
+            except OSError as error:
+                # A cache without its disk tier still serves; an engine that cannot start does not.
+                log.error(
+                    "tiercache: disk.path %r cannot be used (%s): the disk tier is off",
+                    str(config.disk.path),
+                    error.strerror or error,
+                )
         self.redis = redis
         if self.redis is None and config.redis_url:
             self.redis = GuardedRedis(config.redis_url, config.redis)
@@ -180,6 +188,9 @@ class TierEngine:
         self.upload_slot_limit = max(1, int(buffer.num_slots * movers.upload_slot_share))
         self._upload_slots = 0
         self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
+        # A hit's S3 blocks stage on threads of their own: a few slow S3 reads holding
+        # every stager would hold every disk hit queued behind them.
+        self._s3_stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage-s3")
         # A request waits on its disk reads, so they run in parallel on any core, at
         # normal priority: one thread on the model's core was the slower choice
         # (docs/architecture.md, "Threads and cores", has the figures).
@@ -382,26 +393,37 @@ class TierEngine:
 
     def stage_many(self, items: list[tuple[bytes, int, str]]) -> Future:
         """Stage several blocks in parallel; the future's result is the list of
-        booleans in order."""
+        booleans in order. It never raises, and it is done only once nothing writes
+        into the slots any more: a caller that gave up on it may free them then."""
+        # The S3 blocks of a load go together: a run they share is one ranged GET.
+        s3_items = [(i, item) for i, item in enumerate(items) if item[2] == S3]
 
         def run() -> list[bool]:
-            # The S3 blocks of a load go together: a run they share is one ranged GET.
-            s3_items = [(i, item) for i, item in enumerate(items) if item[2] == S3]
             others = {
-                i: self._disk_readers.submit(self.stage, *item)
+                i: self._disk_readers.submit(self._stage_guarded, *item)
                 for i, item in enumerate(items)
                 if item[2] != S3
             }
             results = [False] * len(items)
-            if s3_items:
-                fetched = self.read_s3([(h, self.buffer.view(slot)) for _, (h, slot, _) in s3_items])
-                for (i, _), ok in zip(s3_items, fetched, strict=True):
-                    results[i] = ok
+            try:
+                if s3_items:
+                    fetched = self.read_s3([(h, self.buffer.view(slot)) for _, (h, slot, _) in s3_items])
+                    for (i, _), ok in zip(s3_items, fetched, strict=True):
+                        results[i] = ok
+            except Exception:  # a miss, never an error for the load that waits on it
+                log.exception("staging %d blocks from S3 failed", len(s3_items))
             for i, future in others.items():
                 results[i] = future.result()
             return results
 
-        return self._stagers.submit(run)
+        return (self._s3_stagers if s3_items else self._stagers).submit(run)
+
+    def _stage_guarded(self, block_hash: bytes, slot: int, tier: str) -> bool:
+        try:
+            return self.stage(block_hash, slot, tier)
+        except Exception:
+            log.exception("staging block %s from %s failed", block_hash.hex(), tier)
+            return False
 
     # -- lifecycle ----------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -439,6 +461,7 @@ class TierEngine:
             self._packer.close()
         self._uploaders.shutdown(wait=flushed, cancel_futures=not flushed)
         self._stagers.shutdown(wait=False, cancel_futures=True)
+        self._s3_stagers.shutdown(wait=False, cancel_futures=True)
         self._disk_readers.shutdown(wait=False, cancel_futures=True)
         if self.uploads is not None:
             self.uploads.close()

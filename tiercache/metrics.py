@@ -30,6 +30,16 @@ LOAD_DECISIONS = Counter(
     "Per request and tier holding part of its hit: loaded, or skipped as slower than recomputing it",
     ["tier", "decision"],
 )
+# The connector's own failures, kept out of vLLM (connector/guard.py).
+HOOK_FAILURES = Counter(
+    "tiercache_hook_failures", "Connector hooks that raised; their step was served as a miss", ["hook"]
+)
+CONNECTOR_OFF = Gauge(
+    "tiercache_connector_off", "1 while the connector is turned off after repeated failures", ["role"]
+)
+LOADS_TIMED_OUT = Counter(
+    "tiercache_loads_timed_out", "Staged loads given up at movers.load_deadline_seconds and recomputed"
+)
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
 # Every HTTP request sent to S3 (retries included: each is billed), by operation, and
 # the object bytes moved, by direction: what `tiercache bench` turns into requests

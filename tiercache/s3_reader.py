@@ -7,13 +7,15 @@ A block that is not indexed, missing or corrupt fails, and so does every block a
 it (a prefix must be whole); the blocks before it are hits. A missing object or a
 corrupt frame is unindexed (that block only: the run's other blocks may be good); a
 timeout, 503, 403 or cut connection says nothing about the object and unindexes
-nothing."""
+nothing. Anything else that goes wrong (a run record it cannot decode, a bug) is a
+miss of the whole read too, logged: never an error for the load waiting on it."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 from tiercache.index import RedisIndex, RunRecord
 from tiercache.leases import Leases, new_token
@@ -27,6 +29,8 @@ from tiercache.tiers.s3_runs import FrameWant, RunGeometry
 # costs a twelfth of a PUT. A stretch of a run up to this size (256 tokens of a 1.7B
 # model's KV at 16 blocks) is one GET.
 PART_BYTES = 8 * 2**20
+
+log = logging.getLogger(__name__)
 
 
 class S3Reader:
@@ -47,8 +51,14 @@ class S3Reader:
             where, records = self.leases.acquire_read_blocks(model, rank, hashes, token)
         except RedisUnavailable:
             return [False] * len(blocks)
+        except Exception:  # e.g. a run record that does not decode; its leases expire
+            log.exception("S3 read of %d blocks: looking them up failed", len(blocks))
+            return [False] * len(blocks)
         try:
             results = self._fetch(blocks[: len(where)], where, records)
+        except Exception:
+            log.exception("S3 read of %d blocks failed", len(blocks))
+            results = []
         finally:
             # If Redis is gone the leases simply expire.
             with contextlib.suppress(RedisUnavailable):
@@ -81,18 +91,28 @@ class S3Reader:
             else:
                 stretches.append((run, [want]))
         futures: list[Future] = []
-        for run, wants in stretches:
-            record = records[run]
-            geometry = RunGeometry(record.data_start, record.frame_header, record.slot_bytes)
-            # A stretch longer than PART_BYTES goes as that many ranged GETs in parallel.
-            per_part = max(1, PART_BYTES // geometry.frame_bytes)
-            for start in range(0, len(wants), per_part):
-                part = wants[start : start + per_part]
-                futures.append(
-                    self.s3.pool.submit(
-                        self.s3.fetch_run, self.shape.rank_digest, run.hex(), geometry, part, self.shape.pages
+        try:
+            for run, wants in stretches:
+                record = records[run]
+                geometry = RunGeometry(record.data_start, record.frame_header, record.slot_bytes)
+                # A stretch longer than PART_BYTES goes as that many ranged GETs in parallel.
+                per_part = max(1, PART_BYTES // geometry.frame_bytes)
+                for start in range(0, len(wants), per_part):
+                    part = wants[start : start + per_part]
+                    futures.append(
+                        self.s3.pool.submit(
+                            self.s3.fetch_run,
+                            self.shape.rank_digest,
+                            run.hex(),
+                            geometry,
+                            part,
+                            self.shape.pages,
+                        )
                     )
-                )
+        finally:
+            # Every GET ends before this returns, failed or not: the buffers are the
+            # caller's again then, and may be reused.
+            wait(futures)
         results: list[Fetch] = []
         for future in futures:
             results.extend(future.result())

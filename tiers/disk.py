@@ -220,7 +220,7 @@ class DiskTier:
         # Called between the pieces of a write (PIECE_BYTES each): where the engine's
         # foreground gate stops a write under way while a forward loads hits.
         self.pace: Callable[[], None] | None = None
-        _make_private_dirs(str(self.root))
+        prepare_root(self.root)
         self.layout = DiskLayout(self.root)
         self.index = RootIndex(self.root)
         # The descriptor whose lock says this tier's digest is in use, while it is.
@@ -762,6 +762,29 @@ def clear_stale_temp(path: str) -> bool:
         return _unlink(path)
     finally:
         os.close(fd)
+
+
+def prepare_root(root: str | Path) -> None:
+    """Make the tier's root folder if it is missing and check that a file can be
+    written in it: OSError if not, at start rather than at every store."""
+    _make_private_dirs(str(root))
+    probe = os.path.join(str(root), f"{TMP_PREFIX}{os.getpid()}-probe")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"tiercache")
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+def disk_root_problem(root: str | Path) -> str | None:
+    """Why a disk tier cannot use `root` (made if missing), or None when it can."""
+    try:
+        prepare_root(root)
+    except OSError as error:
+        return f"disk.path {str(root)!r} cannot be used ({error.strerror or error})"
+    return None
 
 
 def _make_private_dirs(path: str) -> None:
