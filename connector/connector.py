@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -87,7 +88,7 @@ def block_hashing(vllm_config: VllmConfig, block_size: int) -> BlockHashing | No
     return BlockHashing(algorithm, block_size, seed)
 
 
-class TierCacheConnector(KVConnectorBase_V1):
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
@@ -139,6 +140,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 tp_rank=rank,
                 writes_lower_tiers=len(specs) > 1 or rank == 0,
                 disk_share=disk_share,
+                group_layers=[list(group.layer_names) for group in kv_cache_config.kv_cache_groups],
             )
 
     @classmethod
@@ -270,6 +272,14 @@ class TierCacheConnector(KVConnectorBase_V1):
         return self.scheduler.reset_cache() if self.scheduler is not None else None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid KV cache manager calls this instead of request_finished. Stores
+        # copy out of every group's blocks before their step ends: nothing to hold.
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 

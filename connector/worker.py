@@ -90,8 +90,12 @@ class TierCacheWorker:
         tp_rank: int,
         writes_lower_tiers: bool,
         disk_share: int,
+        group_layers: list[list[str]] | None = None,
     ):
+        """`group_layers`: the layer names of each KV cache group (vLLM's hybrid KV
+        cache manager makes several), checked against the registered tensors."""
         self.config = config
+        self.group_layers = group_layers or []
         self.spec = spec
         self.model_digest = model_digest
         self.num_blocks = num_blocks
@@ -133,7 +137,14 @@ class TierCacheWorker:
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
-        copier = PagedKVCopier(kv_caches, self.num_blocks)
+        try:
+            copier = PagedKVCopier(kv_caches, self.num_blocks)
+            copier.check_groups(self.group_layers)
+        except ValueError as error:
+            # Copying would mix blocks or groups: serve without the cache instead.
+            self.disabled_reason = f"{error}: tiercache is off for this engine"
+            log.error("tiercache: %s", self.disabled_reason)
+            return
         if copier.slot_bytes != expected_slot_bytes:
             # The scheduler sized slots from the KV cache config; if the tensors say
             # otherwise, copying would mix blocks. Serve without the cache instead.
@@ -398,8 +409,10 @@ class TierCacheWorker:
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM calls this before each attention layer of a step's forward."""
         self._layers_this_step.append(layer_name)
+        # A hybrid model's layers of different groups share regions (copier.py).
+        region = self.copier.region_of.get(layer_name, layer_name) if self.copier is not None else layer_name
         for step in self._layerwise:
-            step.load.wait(layer_name)
+            step.load.wait(region)
 
     def _end_of_forward(self) -> None:
         if self.engine is not None:
@@ -409,11 +422,13 @@ class TierCacheWorker:
         for step in steps:
             self._end_load(step)
         seen, self._layers_this_step = self._layers_this_step, []
-        if self._layer_order is None and self.copier is not None and seen:
-            registered = {region.name for region in self.copier.regions}
-            if registered <= set(seen):
-                self._layer_order = [name for name in dict.fromkeys(seen) if name in registered]
-                log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
+        # Every layer must wait, not only one per region: a layer that never calls the
+        # hook (a Mamba layer) could read its region before another layer sharing it
+        # had waited for the copy.
+        if self._layer_order is None and self.copier is not None and set(self.copier.region_of) <= set(seen):
+            regions = [self.copier.region_of[name] for name in seen if name in self.copier.region_of]
+            self._layer_order = list(dict.fromkeys(regions))
+            log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
 
     def _end_load(self, step: _LayerwiseStep) -> None:
         """Wait for a layer-by-layer load to be in the paged KV; report its disk blocks
@@ -546,6 +561,9 @@ class TierCacheWorker:
         return (
             self._layer_helper is None
             and self.copier is not None
+            # Layers of several groups share a region, each writing its own blocks at
+            # its own point of the forward: copy out once the forward is over.
+            and not self.copier.aliased
             and self.buffer is not None  # set right after the copier
             and self.copier.one_launch(self.buffer)
         )
