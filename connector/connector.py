@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -206,6 +207,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return None, None
         return None, self.worker.get_finished(finished_req_ids) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        # A hybrid model's failed hits are reported per request (worker.py).
+        failed = self.worker.take_failed_requests() if self.worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()

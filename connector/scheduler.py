@@ -385,7 +385,11 @@ class TierCacheScheduler:
 
     def _is_async(self, tiers: list[str]) -> bool:
         """Whether a hit from these tiers is staged into CPU slots before its request
-        is scheduled (an asynchronous load), rather than copied in during the forward."""
+        is scheduled (an asynchronous load), rather than copied in during the forward.
+        Always, with several KV cache groups: vLLM takes a failed load of such a model
+        only for a request waiting on an asynchronous one (worker.py)."""
+        if self.hybrid:
+            return True
         if self.disk_in_forward:
             return S3 in tiers
         return any(tier != CPU for tier in tiers)

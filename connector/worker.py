@@ -114,6 +114,13 @@ class TierCacheWorker:
         self._async: list[_AsyncLoad] = []
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # With several KV cache groups vLLM cannot map a failed block back to its
+        # request (block numbers are per group) and refuses such reports: a hit that
+        # cannot be served whole fails its request instead (reported as failed
+        # receiving, which vLLM recomputes from the start). The scheduler makes every
+        # such hit an asynchronous load, whose failures are known before vLLM is told.
+        self.fails_whole_requests = len(self.group_layers) > 1
+        self._failed_recving: set[str] = set()
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
@@ -461,9 +468,15 @@ class TierCacheWorker:
                 # A failed read counts too: the request waited for it all the same.
                 # (The done-callback may not have run yet when the future reads done.)
                 self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
-            slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
+            tiers = {op.tier for op in load.job.ops}
+            # (A hybrid model's CPU hits are asynchronous loads too: scheduler.py.)
+            slowest = S3 if S3 in tiers else DISK if DISK in tiers else CPU
             self._stats.observe_load(slowest, now - load.started)
-            if self._layerwise_ready():
+            if self.fails_whole_requests and not all(
+                op.tier == CPU or staged_ok.get(id(op), False) for op in load.job.ops
+            ):
+                self._fail_request(load.job, staged_ok)
+            elif self._layerwise_ready():
                 # vLLM schedules the request no earlier than the next step, whose
                 # forward waits for each layer: the copy overlaps that forward.
                 self._load_layerwise([load.job.ops], staged_ok, started=None)
@@ -471,6 +484,14 @@ class TierCacheWorker:
                 self._finish_load(load.job.ops, staged_ok)
             self._finished_recving.add(load.job.req_id)
         self._async = still
+
+    def _fail_request(self, job: LoadJob, staged_ok: dict[int, bool]) -> None:
+        """A hit of several KV cache groups lost a block: none of it is copied, and
+        vLLM recomputes the request (see `fails_whole_requests`)."""
+        self._good_prefix(job.ops, staged_ok)  # the fill reports and counts
+        self._failed_blocks.difference_update(op.gpu_block for op in job.ops)
+        self._release(job.ops, staged_ok)
+        self._failed_recving.add(job.req_id)
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """Copy the good blocks into the paged KV; report the rest as failed."""
@@ -527,8 +548,11 @@ class TierCacheWorker:
 
     def _fail_all(self, meta: TierCacheMetadata) -> None:
         for job in meta.loads:
+            if self.fails_whole_requests:
+                self._failed_recving.add(job.req_id)
             for op in job.ops:
-                self._failed_blocks.add(op.gpu_block)
+                if not self.fails_whole_requests:
+                    self._failed_blocks.add(op.gpu_block)
                 if reads_in_forward(op):
                     self._emit(READ_FAILED, op.block_hash)
                 elif op.tier in (DISK, S3):
@@ -654,6 +678,12 @@ class TierCacheWorker:
         self._poll_async()
         done, self._finished_recving = self._finished_recving, set()
         return done
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed as a whole since the last call (they are in
+        `get_finished`'s answer too)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

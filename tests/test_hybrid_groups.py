@@ -118,11 +118,13 @@ def test_a_hit_loads_every_full_block_and_only_the_windows_last_ones():
     sched = hybrid_scheduler(FULL, WINDOW)
     store(sched, request("r1", 9 * BLOCK + 11), (list(range(10, 20)), list(range(40, 50))), 9 * BLOCK + 11)
     again = request("r2", 9 * BLOCK + 5)
-    assert sched.get_num_new_matched_tokens(again, 0) == (9 * BLOCK, False)
+    # Asynchronous, even from the CPU tier: only then can a failure be reported.
+    assert sched.get_num_new_matched_tokens(again, 0) == (9 * BLOCK, True)
     # vLLM's table for the window group: null blocks before the window.
     tables = (list(range(60, 70)), [0] * 7 + [77, 78, 79])
     sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: tables), 9 * BLOCK)
     (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert job.is_async
     assert [op.gpu_block for op in job.ops] == [60, 61, 62, 63, 64, 65, 66, 67, 77, 68, 78]
     assert all(op.tier == "cpu" for op in job.ops)
 
@@ -134,7 +136,7 @@ def test_a_window_block_lost_cuts_the_hit_to_where_the_window_is_whole():
     sched.policy.fill_failed(
         group_key(req.block_hashes[8], 1), sched.slots.slot_of(group_key(req.block_hashes[8], 1))
     )
-    assert sched.get_num_new_matched_tokens(request("r2", 9 * BLOCK + 5), 0) == (8 * BLOCK, False)
+    assert sched.get_num_new_matched_tokens(request("r2", 9 * BLOCK + 5), 0) == (8 * BLOCK, True)
 
 
 @pytest.mark.parametrize("scheduled, states", [(9 * BLOCK, [48]), (9 * BLOCK + 11, [])])
@@ -144,7 +146,7 @@ def test_a_state_is_stored_only_where_a_step_ends_on_a_block_boundary(scheduled,
     meta = store(sched, req, ([0] * 8 + [48, 49], list(range(10, 20))), scheduled)
     assert sorted(op.gpu_block for op in meta.stores if op.gpu_block >= 40) == states
     hit = sched.get_num_new_matched_tokens(request("r2", 9 * BLOCK + 5), 0)
-    assert hit == ((9 * BLOCK, False) if states else (0, False))
+    assert hit == ((9 * BLOCK, True) if states else (0, False))
 
 
 def test_rules_come_from_vllms_specs():
