@@ -32,7 +32,7 @@ from tiercache.tiers.disk import DiskLayout
 
 from .cost_model import LoadCostModel
 from .events import TierEvents
-from .groups import NULL_BLOCK, STATE, WINDOW, best_end, group_key, group_rules
+from .groups import FULL, NULL_BLOCK, STATE, WINDOW, best_end, group_key, group_rules
 from .ledger import ReportLedger
 from .load_failures import RecentLoadFailures
 from .metadata import (
@@ -215,6 +215,7 @@ class TierCacheScheduler:
             block_size=self.hashing.block_size if self.hashing else 0,
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
+            groups=tuple(rule.encode() for rule in self.group_rules) if self.hybrid else (),
         )
         try:
             index.register(deployment)
@@ -352,6 +353,9 @@ class TierCacheScheduler:
                 group_tiers[(group, index)] = None if key in self.load_failures else tier
             return group_tiers[(group, index)] is not None
 
+        for group, rule in enumerate(self.group_rules):
+            if rule.kind == FULL and (group, first) not in group_tiers:
+                self._look_up_run(group, hashes, first, limit, group_tiers)
         end = best_end(self.group_rules, first, limit, self.block_size, holds)
         primary = next((g for g, rule in enumerate(self.group_rules) if rule.kind != STATE), 0)
         while end > first:
@@ -367,6 +371,30 @@ class TierCacheScheduler:
             end = best_end(self.group_rules, first, first + load, self.block_size, holds)
         cached.tiers, cached.hit, cached.plan = [], [], []
         return 0, False
+
+    def _look_up_run(self, group: int, hashes, first: int, limit: int, group_tiers) -> None:
+        """A full-attention group's blocks from `first` on, as far as they are cached:
+        the local tiers, then S3 for the rest in one round trip."""
+        index = first
+        while index < limit:
+            key = group_key(bytes(hashes[index]), group)
+            tier = self.policy.local_tier(key)
+            if tier is None or key in self.load_failures:
+                break
+            group_tiers[(group, index)] = tier
+            index += 1
+        found = 0
+        if index < limit and self.s3_index is not None:
+            wanted = [group_key(bytes(h), group) for h in hashes[index:limit]]
+            try:
+                found = self.s3_index.longest_prefix(self.model_digest, self.rank_digests, wanted)
+                found = self.load_failures.leading_clear(wanted[:found])
+            except RedisUnavailable:
+                found = 0
+        for offset in range(found):
+            group_tiers[(group, index + offset)] = S3
+        if index + found < limit:
+            group_tiers[(group, index + found)] = None
 
     def _group_plan(self, group_tiers, first: int, end: int) -> list[tuple[int, int, str]]:
         """(group, index, tier) of every block a hit ending at `end` loads, by index

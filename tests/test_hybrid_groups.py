@@ -199,3 +199,20 @@ def test_groups_that_do_not_overlay_layer_for_layer_are_refused():
         copier.check_groups(
             [["layers.0.linear", "layers.2.linear"], ["layers.1.attn", "layers.3.attn", "layers.4.attn"]]
         )
+
+
+def test_kv_events_name_each_groups_block_by_vllms_hash_and_its_group():
+    from tiercache.connector.events import TierEvents
+
+    sched = hybrid_scheduler(FULL, WINDOW)
+    events = TierEvents(sched.policy, BLOCK, publish=True, presence=None, hybrid=True)
+    sched.policy.watcher = events
+    block = bytes([7]) * 32
+    for group in (0, 1):
+        events.name(group_key(block, group), block, group)
+        sched.policy.stored_on_disk(group_key(block, group))
+    sched.policy.stored_on_disk(bytes([9]) * 32)  # never named (found on disk at start): not published
+    stored = events.take()
+    # One event per block, both under vLLM's hash (as vLLM publishes it), each with its group.
+    assert [e.group_idx for e in stored] == [0, 1]
+    assert stored[0].block_hashes == stored[1].block_hashes
