@@ -20,12 +20,14 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from tiercache import service
-from tiercache.config import RedisConfig, S3TierConfig, TierCacheConfig, build_config, redact_url
+from tiercache.config import ConfigError, RedisConfig, S3TierConfig, TierCacheConfig, build_config, redact_url
 from tiercache.index import RedisIndex
 from tiercache.keys import HEX_KEY, split_key
 from tiercache.leases import Claim, Leases, new_token
 from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.service import admin as admin_routes
+from tiercache.service import auth
+from tiercache.service import cache as cache_routes
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
 from tiercache.tiers.s3 import S3Tier
@@ -217,9 +219,11 @@ def test_namespaces_with_path_characters_are_refused(namespace):
 
 
 def test_admin_token_is_compared_in_constant_time(tmp_path):
-    source = inspect.getsource(admin_routes)
+    source = inspect.getsource(auth)
     assert "hmac.compare_digest" in source
-    assert "== state.admin_token" not in source and "admin_token ==" not in source
+    for module in (auth, admin_routes, cache_routes):
+        text = inspect.getsource(module)
+        assert "admin ==" not in text and "lookup ==" not in text and "token ==" not in text
     config = build_config({"disk": {"path": str(tmp_path)}}, environ={})
     token = "tok-" + uuid.uuid4().hex
     with TestClient(service.create_app(config, admin_token=token)) as client:
@@ -227,12 +231,194 @@ def test_admin_token_is_compared_in_constant_time(tmp_path):
         for wrong in (token[:-1], token + "x", "", "é" * 10, token.upper()):
             value = f"Bearer {wrong}".encode()  # raw bytes: a non-ASCII token too
             response = client.post("/v1/gc", headers=[(b"authorization", value)])
-            assert response.status_code in (401, 403), (wrong, response.text)
+            assert response.status_code == 401, (wrong, response.text)
         # The right token passes the check (then: no S3 configured, so nothing to collect).
         assert client.post("/v1/gc", headers={"Authorization": f"Bearer {token}"}).status_code == 409
     with TestClient(service.create_app(config, admin_token=None)) as client:
         response = client.post("/v1/gc", headers={"Authorization": "Bearer anything"})
         assert response.status_code == 403
+
+
+# -- the lookup and admin tokens come from the environment or files, never the config ----------
+
+
+def test_tokens_from_variables_files_and_a_namespace_folder(tmp_path):
+    """Issue 39, item 5: TIERCACHE_LOOKUP_TOKEN(_FILE), TIERCACHE_LOOKUP_TOKENS_DIR (a
+    mounted Secret: one file per namespace, its data behind `..data` links) and
+    TIERCACHE_ADMIN_TOKEN(_FILE), read the same way."""
+    secret = tmp_path / "lookup-tokens"
+    data = secret / "..2026_11_27_06_00_00.000000001"
+    data.mkdir(parents=True)
+    (data / "team-a").write_text("token-a\n")
+    (data / "team.b").write_text("token-b")
+    (secret / "..data").symlink_to(data.name)
+    for name in ("team-a", "team.b"):
+        (secret / name).symlink_to(f"..data/{name}")
+    router = tmp_path / "router-token"
+    router.write_text("router-token\n")
+    tokens = auth.ServiceTokens.from_environment(
+        {
+            "TIERCACHE_ADMIN_TOKEN": "admin-token",
+            "TIERCACHE_LOOKUP_TOKEN_FILE": str(router),
+            "TIERCACHE_LOOKUP_TOKENS_DIR": str(secret),
+        }
+    )
+    assert tokens == auth.ServiceTokens(
+        "admin-token", "router-token", {"team-a": "token-a", "team.b": "token-b"}
+    )
+    admin_file = tmp_path / "admin"
+    admin_file.write_text("from-a-file\n")
+    assert (
+        auth.ServiceTokens.from_environment({"TIERCACHE_ADMIN_TOKEN_FILE": str(admin_file)}).admin
+        == "from-a-file"
+    )
+    nothing = auth.ServiceTokens.from_environment({"TIERCACHE_LOOKUP_TOKEN": ""})
+    assert nothing.lookups_open and nothing.admin is None
+    # Not config: a config built beside them never sees or refuses them.
+    environ = {"TIERCACHE_LOOKUP_TOKEN": "x" * 40, "TIERCACHE_LOOKUP_TOKENS_DIR": str(secret)}
+    assert "x" * 40 not in str(
+        build_config({}, environ={**environ, "TIERCACHE_ADMIN_TOKEN_FILE": "/nope"}).redacted()
+    )
+
+    check = auth.TokenCheck(tokens)
+    assert check.grant("token-a") == auth.Grant(namespaces=frozenset({"team-a"}))
+    assert check.grant("router-token").may_look_up("anything")
+    assert check.grant("admin-token").admin and check.grant("admin-token").may_look_up("team.b")
+    assert check.grant("token-a").may_look_up("team-a") and not check.grant("token-a").may_look_up("team.b")
+    assert check.grant(None) == check.grant("") == check.grant("token-a ") == auth.Grant()
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        (
+            {"TIERCACHE_LOOKUP_TOKEN": "a", "TIERCACHE_LOOKUP_TOKEN_FILE": "{dir}/t"},
+            "TIERCACHE_LOOKUP_TOKEN_FILE",
+        ),
+        ({"TIERCACHE_LOOKUP_TOKEN_FILE": "{dir}/missing"}, "TIERCACHE_LOOKUP_TOKEN_FILE: cannot read"),
+        ({"TIERCACHE_ADMIN_TOKEN_FILE": "{dir}/empty"}, "TIERCACHE_ADMIN_TOKEN_FILE: {dir}/empty is empty"),
+        ({"TIERCACHE_LOOKUP_TOKENS_DIR": "{dir}/t"}, "TIERCACHE_LOOKUP_TOKENS_DIR: {dir}/t is not a folder"),
+        ({"TIERCACHE_LOOKUP_TOKENS_DIR": "{dir}/bad"}, "'-bad' in {dir}/bad is not a namespace name"),
+    ],
+)
+def test_unusable_token_settings_are_refused_naming_the_variable(tmp_path, environ, named):
+    (tmp_path / "t").write_text("secret-token-value")
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "-bad").write_text("secret-token-value")
+    environ = {k: v.format(dir=tmp_path) for k, v in environ.items()}
+    with pytest.raises(auth.TokenError) as info:
+        auth.ServiceTokens.from_environment(environ)
+    assert named.format(dir=tmp_path) in str(info.value)
+    assert "secret-token-value" not in str(info.value)
+
+
+def test_serve_refuses_an_unusable_token_setting(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TIERCACHE_LOOKUP_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as info:
+        service.serve(build_config({}, environ={}), port=0)
+    assert info.value.code == 2
+    assert "TIERCACHE_LOOKUP_TOKEN_FILE: cannot read" in caplog.text
+
+
+def test_serve_takes_its_lookup_tokens_from_files(tmp_path, redis_url):
+    """`tiercache serve` as the chart runs it: the router token from a file, the
+    per-namespace tokens from a mounted folder; lookups without one get a 401."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tiercache.testing.servers import free_port
+
+    (tmp_path / "router").write_text("router-token-" + uuid.uuid4().hex + "\n")
+    (tmp_path / "namespaces").mkdir()
+    (tmp_path / "namespaces" / "team-a").write_text("team-a-token")
+    config = tmp_path / "service.yaml"
+    config.write_text(f"redis_url: {redis_url}\n")
+    port = free_port()
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("TIERCACHE_")}
+    environ |= {
+        "TIERCACHE_LOOKUP_TOKEN_FILE": str(tmp_path / "router"),
+        "TIERCACHE_LOOKUP_TOKENS_DIR": str(tmp_path / "namespaces"),
+    }
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tiercache.cli", "serve", "--config", str(config), "--port", str(port)],
+        env=environ,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def lookup(namespace: str, token: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        body = json.dumps({"namespace": namespace, "block_hashes": ["ab" * 32]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/lookup", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "tiercache serve did not start"
+                time.sleep(0.2)
+        router = (tmp_path / "router").read_text().strip()
+        assert lookup("team-a", None) == 401
+        assert lookup("team-a", "team-a-token") == 200
+        assert lookup("team-b", "team-a-token") == 401
+        assert lookup("team-b", router) == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "lookups need a token" in text and router not in text and "team-a-token" not in text
+
+
+def test_integrity_key_from_a_file(tmp_path):
+    """Issue 39, item 6: compose hands the generated key over as a file."""
+    key = "k" * 48
+    (tmp_path / "key").write_text(key + "\n")
+    config = build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "key")})
+    assert config.integrity_key_bytes() == key.encode()
+    with pytest.raises(ConfigError, match="TIERCACHE_INTEGRITY_KEY_FILE: cannot read"):
+        build_config({}, environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="both set"):
+        build_config(
+            {},
+            environ={"TIERCACHE_INTEGRITY_KEY_FILE": str(tmp_path / "key"), "TIERCACHE_INTEGRITY_KEY": key},
+        )
+
+
+def test_compose_secrets_are_generated_once_and_the_environment_wins(tmp_path):
+    from tiercache.service.generate_secrets import generate
+
+    service_dir, vllm_dir = tmp_path / "service", tmp_path / "vllm"
+    generate(service_dir, vllm_dir, environ={})
+    first = {p.name: p.read_text() for p in service_dir.iterdir()}
+    assert len((vllm_dir / "integrity-key").read_text().strip()) >= 32
+    assert (service_dir / "s3-secret-key").read_text() != (vllm_dir / "s3-secret-key").read_text()
+    assert service_dir.stat().st_mode & 0o777 == 0o700
+    chosen = "chosen-lookup-token-" + uuid.uuid4().hex
+    generate(service_dir, vllm_dir, environ={"TIERCACHE_LOOKUP_TOKEN": chosen})
+    again = {p.name: p.read_text() for p in service_dir.iterdir()}
+    assert again["lookup-token"].strip() == chosen
+    assert {k: v for k, v in again.items() if k != "lookup-token"} == {
+        k: v for k, v in first.items() if k != "lookup-token"
+    }
 
 
 # -- bad input to the HTTP API gets a 4xx with a clear message ---------------------------------

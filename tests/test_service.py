@@ -302,6 +302,94 @@ def test_lookup_by_token_ids_says_why_a_deployment_cannot_be_hashed(stack, redis
     assert body["prefix_blocks"] == 0 and body["requested_blocks"] == 0
 
 
+ROUTER_TOKEN = "router-" + uuid.uuid4().hex
+NS1_TOKEN = "ns1-" + uuid.uuid4().hex
+NS2_TOKEN = "ns2-" + uuid.uuid4().hex
+
+
+def bearer(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_lookup_needs_a_token_for_its_namespace_once_tokens_are_configured(
+    redis, redis_url, s3_endpoint, bucket
+):
+    """Issue 39, item 5: the lookup API is no open prefix oracle. A missing token, a
+    wrong one and another namespace's get one 401 that names nothing cached."""
+    config = make_config(redis_url, s3_endpoint, bucket)
+    prompt = blocks(3)
+    dep = store(config, prompt, tiers=("s3",))
+    app = create_app(
+        config,
+        admin_token=TOKEN,
+        lookup_token=ROUTER_TOKEN,
+        namespace_tokens={"ns1": NS1_TOKEN, "ns2": NS2_TOKEN},
+    )
+    ask = {"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
+    with TestClient(app) as client:
+        refused = [
+            client.post("/v1/lookup", json=ask),
+            client.post("/v1/lookup", json=ask, headers=bearer("not-a-token")),
+            client.post("/v1/lookup", json=ask, headers=bearer(NS1_TOKEN + "x")),
+            client.post("/v1/lookup", json=ask, headers=bearer(NS2_TOKEN)),  # another namespace's
+            client.post("/v1/lookup", json=ask, headers={"Authorization": f"Basic {NS1_TOKEN}"}),
+            # Checked before the body: no token, no validation answer either.
+            client.post("/v1/lookup", json={"namespace": "../x"}),
+        ]
+        for response in refused:
+            assert response.status_code == 401, response.text
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert response.json() == refused[0].json()
+            for cached in (dep.model_digest, dep.model, prompt[0].hex(), "prefix_blocks"):
+                assert cached not in response.text
+
+        for token in (NS1_TOKEN, ROUTER_TOKEN, TOKEN):
+            answer = client.post("/v1/lookup", json=ask, headers=bearer(token))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["prefix_blocks"] == 3
+        other = {"namespace": "ns2", "block_hashes": [prompt[0].hex()]}
+        assert client.post("/v1/lookup", json=other, headers=bearer(NS2_TOKEN)).status_code == 200
+        assert client.post("/v1/lookup", json=other, headers=bearer(ROUTER_TOKEN)).status_code == 200
+        # A lookup token is not the admin token.
+        for token in (ROUTER_TOKEN, NS1_TOKEN):
+            assert client.post("/v1/gc", headers=bearer(token)).status_code == 401
+        # Refused lookups are not counted as lookups.
+        assert client.get("/v1/stats").json()["namespaces"]["ns1"]["lookups"]["requests"] == 3
+
+
+def test_lookup_is_open_while_no_lookup_token_is_configured(redis, redis_url):
+    """The default without tokens (a service on loopback for one router) stays usable;
+    an admin token alone does not close it."""
+    with TestClient(create_app(make_config(redis_url), admin_token=TOKEN)) as client:
+        ask = {"namespace": "ns1", "block_hashes": ["00" * 32]}
+        assert client.post("/v1/lookup", json=ask).status_code == 200
+        assert client.post("/v1/lookup", json=ask, headers=bearer("anything")).status_code == 200
+
+
+def test_lookup_limits_are_a_128k_token_prompt(light):
+    """Issue 39, item 5: one request asked up to 65536 hashes or 1M tokens in a 16 MiB
+    body. Now 8192 hashes, 131072 tokens, 4 MiB."""
+    client = light
+    hashes = ["00" * 8] * 8192
+    assert client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": hashes}).status_code == 200
+    over = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [*hashes, "00" * 8]})
+    assert over.status_code == 422 and "block_hashes" in over.json()["message"]
+    tokens = [1] * 131072
+    assert client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": tokens}).status_code == 200
+    over = client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": [*tokens, 1]})
+    assert over.status_code == 422 and "token_ids" in over.json()["message"]
+    # The largest valid body (every token id of 19 digits) fits under the body limit;
+    # anything much larger is refused before it is parsed.
+    largest = json.dumps({"namespace": "a" * 128, "token_ids": [2**63 - 1] * MAX_LOOKUP_TOKENS})
+    assert (
+        client.post("/v1/lookup", content=largest, headers={"content-type": "application/json"}).status_code
+        == 200
+    )
+    padded = largest[:-1] + " " * (5 * 2**20 - len(largest)) + "}"
+    too_large = client.post("/v1/lookup", content=padded, headers={"content-type": "application/json"})
+    assert too_large.status_code == 413, too_large.text
+
+
 def test_presence_stays_within_its_redis_budget_and_is_rewritten_when_lost(redis):
     """At most 200 bytes of Redis per block; a hash lost (expired, deleted) while the
     publisher thought it there is written whole again, never left half."""
@@ -421,7 +509,7 @@ def test_a_chunked_body_over_the_limit_is_refused_once_the_limit_is_read(live_se
         )
         try:
             conn.sendall(request + b"%x\r\n%s\r\n" % (len(head), head))
-            for _ in range(20):  # 20 MiB, over the 16 MiB limit
+            for _ in range(20):  # 20 MiB, over the 4 MiB limit
                 conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 sent["bytes"] += len(chunk)
             conn.sendall(b"0\r\n\r\n")
@@ -619,8 +707,9 @@ def test_admin_needs_the_token(light, method, path):
     assert call(path, headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
     assert call(path, headers={"Authorization": "Bearer "}).status_code == 401
     wrong = call(path, headers=admin("not-the-token"))
-    assert wrong.status_code == 403
-    assert call(path, headers=admin(TOKEN + "x")).status_code == 403
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+    assert wrong.json() == missing.json()
+    assert call(path, headers=admin(TOKEN + "x")).status_code == 401
     assert call(path, headers=admin(TOKEN)).status_code in (200, 409)  # 409: no S3 to collect
 
 

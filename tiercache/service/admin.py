@@ -3,7 +3,6 @@ bearer token."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
@@ -12,15 +11,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tiercache.errors import GcBusy
 from tiercache.s3_gc import flush_namespace
+from tiercache.service.auth import ADMIN_TOKEN_ENV
 from tiercache.service.http import service_state
 from tiercache.service.models import NAMESPACE_PATTERN, ProblemResponse
 from tiercache.service.state import ServiceState
 
-ADMIN_TOKEN_ENV = "TIERCACHE_ADMIN_TOKEN"
-
 bearer = HTTPBearer(
     auto_error=False,
-    description="The value of TIERCACHE_ADMIN_TOKEN the service was started with.",
+    description=f"The admin token: {ADMIN_TOKEN_ENV} (or the file {ADMIN_TOKEN_ENV}_FILE names).",
 )
 
 
@@ -28,26 +26,22 @@ def require_admin(
     credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     state: ServiceState = Depends(service_state),
 ) -> None:
-    if state.admin_token is None:
+    if not state.tokens.admin_configured:
         raise HTTPException(403, f"admin endpoints are disabled: {ADMIN_TOKEN_ENV} is unset for this service")
-    if credentials is None or not credentials.credentials:
+    if not state.tokens.grant(credentials.credentials if credentials else None).admin:
         raise HTTPException(
             401,
-            "admin endpoint: send 'Authorization: Bearer <token>'",
+            "admin endpoint: send 'Authorization: Bearer <the admin token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    # Constant time: how much of a guess matches must not show in how long it takes.
-    given = credentials.credentials.encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given, state.admin_token.encode()):
-        raise HTTPException(403, "admin endpoint: the bearer token is not the admin token")
 
 
 router = APIRouter(
     tags=["admin"],
     dependencies=[Depends(require_admin)],
     responses={
-        401: {"model": ProblemResponse, "description": "No bearer token."},
-        403: {"model": ProblemResponse, "description": "Wrong token, or no admin token configured."},
+        401: {"model": ProblemResponse, "description": "No bearer token, or not the admin token."},
+        403: {"model": ProblemResponse, "description": "No admin token configured."},
         503: {"model": ProblemResponse, "description": "Redis or S3 did not answer."},
     },
 )

@@ -17,8 +17,9 @@ from tiercache.service.state import ServiceState
 
 log = logging.getLogger(__name__)
 
-# A full lookup of MAX_LOOKUP_HASHES 64-byte hashes is ~8.5 MB of JSON.
-MAX_BODY_BYTES = 16 * 2**20
+# The largest valid lookup is MAX_LOOKUP_TOKENS token ids of 19 digits each, about
+# 2.8 MB of JSON (MAX_LOOKUP_HASHES 64-byte hashes are about 1.1 MB).
+MAX_BODY_BYTES = 4 * 2**20
 
 
 class AsciiJSON(JSONResponse):

@@ -7,10 +7,12 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-# One lookup names at most this many blocks: 65536 blocks of 16 tokens is a 1M-token prompt.
-MAX_LOOKUP_HASHES = 65536
-# A lookup by token ids names at most this many tokens (a 1M-token prompt).
-MAX_LOOKUP_TOKENS = 2**20
+# One lookup names at most this many blocks (8192 blocks of 16 tokens: a 128K-token
+# prompt). Each hash asked costs a Redis field read and, with a disk tier, a stat() per
+# rank until the first miss; a router with a longer prompt asks about its first blocks.
+MAX_LOOKUP_HASHES = 8192
+# A lookup by token ids names at most this many tokens (a 128K-token prompt).
+MAX_LOOKUP_TOKENS = 2**17
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
 _HEX = re.compile(r"^[0-9a-f]*$")
 

@@ -23,6 +23,7 @@ from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
 from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, run_gc
 from tiercache.s3_pass import gc_redis_client, registered_deployments
+from tiercache.service.auth import ServiceTokens, TokenCheck
 from tiercache.service.models import (
     MAX_LOOKUP_HASHES,
     DeploymentHit,
@@ -79,9 +80,9 @@ class GcTotals:
 class ServiceState:
     """Everything one service process shares between requests."""
 
-    def __init__(self, config: TierCacheConfig, admin_token: str | None, gc_interval: float):
+    def __init__(self, config: TierCacheConfig, tokens: ServiceTokens, gc_interval: float):
         self.config = config
-        self.admin_token = admin_token or None
+        self.tokens = TokenCheck(tokens)
         self.gc_interval = gc_interval
         self.redis = None
         if config.redis_url:

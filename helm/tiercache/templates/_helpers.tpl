@@ -135,33 +135,104 @@ true
 {{- default (printf "%s-admin" (include "tiercache.fullname" .)) .Values.service.adminToken.existingSecret -}}
 {{- end -}}
 
-{{/* Environment shared by vLLM and the service: S3 credentials and the Redis URL secret. */}}
+{{- define "tiercache.lookupSecretName" -}}
+{{- default (printf "%s-lookup" (include "tiercache.fullname" .)) .Values.service.lookupToken.existingSecret -}}
+{{- end -}}
+
+{{- define "tiercache.integritySecretName" -}}
+{{- default (printf "%s-integrity" (include "tiercache.fullname" .)) .Values.tiercache.integrityKey.existingSecret -}}
+{{- end -}}
+
+{{/*
+"true" when the bundled MinIO is the S3 tier: its bucket Job then creates a
+least-privilege user for vLLM and one for the service (the GC), and the pods get those
+instead of the root credentials.
+*/}}
+{{- define "tiercache.minioUsers" -}}
+{{- if and .Values.minio.enabled .Values.tiercache.s3.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret of a MinIO user: call with (dict "ctx" $ "user" "vllm"|"gc"). */}}
+{{- define "tiercache.minioUserSecretName" -}}
+{{- printf "%s-s3-%s" (include "tiercache.fullname" .ctx) .user -}}
+{{- end -}}
+
+{{/*
+A Secret whose values are generated once and then kept: on upgrade each key present in
+the live Secret keeps its value, and only missing keys get the new value given here.
+Call with (dict "ctx" $ "name" <name> "component" <component> "data" <key: value>).
+*/}}
+{{- define "tiercache.keptSecret" -}}
+{{- $live := lookup "v1" "Secret" .ctx.Release.Namespace .name }}
+{{- $liveData := dict }}
+{{- if and $live $live.data }}{{ $liveData = $live.data }}{{ end }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "tiercache.labels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+type: Opaque
+data:
+  {{- range $key, $value := .data }}
+  {{ $key }}: {{ (hasKey $liveData $key | ternary (index $liveData $key) ($value | b64enc)) | quote }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+Environment shared by vLLM and the service: S3 credentials, the integrity key (vLLM's
+only) and the Redis URL secret. Call with (dict "ctx" $ "user" "vllm"|"gc"): with the
+bundled MinIO each gets its own least-privilege user.
+*/}}
 {{- define "tiercache.commonEnv" -}}
-{{- if include "tiercache.s3CredentialsFromSecret" . }}
+{{- $ctx := .ctx }}
+{{- $s3Secret := "" }}
+{{- $idKey := $ctx.Values.s3Credentials.accessKeyIdKey }}
+{{- $secretKey := $ctx.Values.s3Credentials.secretAccessKeyKey }}
+{{- if include "tiercache.minioUsers" $ctx }}
+{{- $s3Secret = include "tiercache.minioUserSecretName" (dict "ctx" $ctx "user" .user) }}
+{{- $idKey = "AWS_ACCESS_KEY_ID" }}
+{{- $secretKey = "AWS_SECRET_ACCESS_KEY" }}
+{{- else if and (not $ctx.Values.minio.enabled) (eq .user "gc") $ctx.Values.s3Credentials.gcExistingSecret }}
+{{- $s3Secret = $ctx.Values.s3Credentials.gcExistingSecret }}
+{{- else if and (not $ctx.Values.minio.enabled) (include "tiercache.s3CredentialsFromSecret" $ctx) }}
+{{- $s3Secret = include "tiercache.s3SecretName" $ctx }}
+{{- end }}
+{{- if $s3Secret }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
     secretKeyRef:
-      name: {{ include "tiercache.s3SecretName" . }}
-      key: {{ .Values.s3Credentials.accessKeyIdKey }}
+      name: {{ $s3Secret }}
+      key: {{ $idKey }}
 - name: AWS_SECRET_ACCESS_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ include "tiercache.s3SecretName" . }}
-      key: {{ .Values.s3Credentials.secretAccessKeyKey }}
+      name: {{ $s3Secret }}
+      key: {{ $secretKey }}
 # Static credentials: no reason for boto3 to probe the instance-metadata endpoint.
 - name: AWS_EC2_METADATA_DISABLED
   value: "true"
 {{- end }}
-{{- if .Values.tiercache.s3.region }}
+{{- if $ctx.Values.tiercache.s3.region }}
 - name: AWS_DEFAULT_REGION
-  value: {{ .Values.tiercache.s3.region | quote }}
+  value: {{ $ctx.Values.tiercache.s3.region | quote }}
 {{- end }}
-{{- if and (not .Values.redis.enabled) .Values.externalRedis.existingSecret }}
+{{- /* Only vLLM reads and writes pages; the service and its GC need no key. */}}
+{{- if and $ctx.Values.tiercache.integrityKey.enabled (eq .user "vllm") }}
+- name: TIERCACHE_INTEGRITY_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tiercache.integritySecretName" $ctx }}
+      key: {{ $ctx.Values.tiercache.integrityKey.key }}
+{{- end }}
+{{- if and (not $ctx.Values.redis.enabled) $ctx.Values.externalRedis.existingSecret }}
 - name: TIERCACHE_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.externalRedis.existingSecret }}
-      key: {{ .Values.externalRedis.existingSecretKey }}
+      name: {{ $ctx.Values.externalRedis.existingSecret }}
+      key: {{ $ctx.Values.externalRedis.existingSecretKey }}
 {{- end }}
 {{- end -}}
 
