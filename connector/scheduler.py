@@ -508,7 +508,7 @@ class TierCacheScheduler:
         if lost:
             log.warning("tiercache: request %s: a KV cache group lacks a block of its hit", req_id)
             for op in ops:
-                op.tier = ""  # the worker reports it failed (and releases a pinned slot)
+                self._unplan(op)
         job = LoadJob(req_id, ops, is_async)
         self._pending_loads.append(job)
         if is_async:
@@ -518,6 +518,14 @@ class TierCacheScheduler:
             if op.tier:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
+
+    def _unplan(self, op: BlockOp) -> None:
+        """Undo `_plan_load` for `op` and leave it lost: the worker reports it failed."""
+        if op.slot >= 0:
+            if op.tier in (DISK, S3):
+                self.policy.fill_failed(op.block_hash, op.slot)  # the slot claimed to stage it
+            self.policy.release(op.slot)
+        op.slot, op.tier = -1, ""
 
     def _count_decisions(self, lookup: _Lookup, loaded: int) -> None:
         """One decision per tier holding part of this request's hit: loaded, or

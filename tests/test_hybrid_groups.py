@@ -216,3 +216,16 @@ def test_kv_events_name_each_groups_block_by_vllms_hash_and_its_group():
     # One event per block, both under vLLM's hash (as vLLM publishes it), each with its group.
     assert [e.group_idx for e in stored] == [0, 1]
     assert stored[0].block_hashes == stored[1].block_hashes
+
+
+def test_a_hit_whose_group_vllm_gave_no_block_is_planned_lost_and_pins_nothing():
+    sched = hybrid_scheduler(FULL, WINDOW)
+    store(sched, request("r1", 9 * BLOCK + 11), (list(range(10, 20)), list(range(40, 50))), 9 * BLOCK + 11)
+    again = request("r2", 9 * BLOCK + 5)
+    assert sched.get_num_new_matched_tokens(again, 0) == (9 * BLOCK, True)
+    tables = (list(range(60, 70)), [0] * 10)  # (never so in vLLM: a window with no blocks)
+    pinned = sched.slots.pinned()  # the stores' copies, not reported done here
+    sched.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: tables), 9 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert job.ops and all(op.tier == "" and op.slot < 0 for op in job.ops)
+    assert sched.slots.pinned() == pinned
