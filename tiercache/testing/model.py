@@ -146,7 +146,7 @@ def write_tiny_qwen3_next(
     hybrid KV cache manager gives the linear layers a Mamba-state group of their own."""
     spec = {
         "arch": "Qwen3NextForCausalLM",
-        "linear_heads": [2, 2, 32, 16],  # key heads, value heads, key dim, value dim
+        "linear_heads": [2, 2, 32, 32],  # key heads, value heads, key dim, value dim
         "layer_types": list(layer_types),
         "hidden_size": hidden_size,
         "num_heads": num_heads,
@@ -175,7 +175,7 @@ def write_tiny_qwen3_next(
             linear_num_key_heads=2,
             linear_num_value_heads=2,
             linear_key_head_dim=32,
-            linear_value_head_dim=16,
+            linear_value_head_dim=32,  # (vLLM's CPU kernel wants a multiple of 32)
             linear_conv_kernel_dim=4,
             num_experts=4,
             num_experts_per_tok=2,
