@@ -46,9 +46,11 @@ class TierEvents:
         publish: bool,
         presence: PresencePublisher | None,
         hybrid: bool = False,
+        presence_group: int = 0,
     ):
         """`hybrid`: several KV cache groups, whose blocks past the first group's are
-        keyed apart from vLLM's hash (connector/groups.py)."""
+        keyed apart from vLLM's hash (connector/groups.py); `presence_group`: the
+        group whose blocks presence lists (a hybrid model's first full-attention one)."""
         self.policy = policy
         self.block_size = block_size
         self.publish = publish
@@ -58,6 +60,7 @@ class TierEvents:
         # Tiercache key -> (vLLM hash, group): after a reset, and for a hybrid model's
         # blocks (before either, a key is its vLLM hash, in group 0).
         self._keyed = hybrid
+        self._presence_group = presence_group
         self._names: dict[bytes, tuple[bytes, int]] = {}
 
     # -- naming -------------------------------------------------------------------------
@@ -98,9 +101,10 @@ class TierEvents:
         if named is None:
             return
         vllm_hash, group = named
-        if self.presence is not None and group == 0:
-            # Presence lists the first group's blocks: a router's upper bound of a
-            # hybrid model's hit (the service's lookup API, docs/architecture.md).
+        if self.presence is not None and group == self._presence_group:
+            # Presence lists one group's blocks: for a hybrid model, its first
+            # full-attention group's, a router's upper bound of the hit (the
+            # service's lookup API, docs/architecture.md).
             self.presence.update(vllm_hash, tier, stored)
         if self.publish:
             self._changes.append((stored, tier, vllm_hash, group))

@@ -236,8 +236,14 @@ class TierCacheScheduler:
             )
         if not kv_events and presence is None:
             return None
+        full = [group for group, rule in enumerate(self.group_rules) if rule.kind == FULL]
         events = TierEvents(
-            self.policy, self.block_size, publish=kv_events, presence=presence, hybrid=self.hybrid
+            self.policy,
+            self.block_size,
+            publish=kv_events,
+            presence=presence,
+            hybrid=self.hybrid,
+            presence_group=full[0] if full and self.hybrid else 0,
         )
         self.policy.watcher = events
         return events
