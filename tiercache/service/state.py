@@ -271,8 +271,8 @@ class ServiceState:
     def _group_prefixes(self, dep: Deployment, raw: list[bytes]) -> tuple[int, int | None]:
         """A hybrid model's prefix in S3 and on disk: the longest one every KV cache
         group can serve (tiercache/kv_groups.py), each group's blocks under their own
-        names. Presence (the instances' CPU and disk) lists one group only (the first full-attention one), an
-        upper bound."""
+        names. Presence (the instances' CPU and disk) lists one group only, the first
+        full-attention one: an upper bound."""
         s3_index = self.index
         assert s3_index is not None  # lookup asks only with an index
         rules = [GroupRule.decode(text) for text in dep.groups]
