@@ -134,8 +134,8 @@ def write_tiny_qwen3_next(
     layer_types: tuple[str, ...] = ("linear_attention", "full_attention") * 2,
     hidden_size: int = 256,
     num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
+    num_kv_heads: int = 4,
+    head_dim: int = 256,
     vocab_size: int = 2048,
     max_positions: int = 8192,
     seed: int = 0,
@@ -146,7 +146,7 @@ def write_tiny_qwen3_next(
     hybrid KV cache manager gives the linear layers a Mamba-state group of their own."""
     spec = {
         "arch": "Qwen3NextForCausalLM",
-        "linear_heads": [2, 2, 32, 32],  # key heads, value heads, key dim, value dim
+        "linear_heads": [1, 1, 128, 128],  # key heads, value heads, key dim, value dim
         "layer_types": list(layer_types),
         "hidden_size": hidden_size,
         "num_heads": num_heads,
@@ -170,12 +170,13 @@ def write_tiny_qwen3_next(
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             layer_types=list(layer_types),
-            # A state small enough that a 32-token attention page holds it in bf16
-            # (vLLM otherwise raises the block size to make room).
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,  # (vLLM's CPU kernel wants a multiple of 32)
+            # Head dims vLLM's CPU gated delta-net kernel takes (Qwen3-Next's own),
+            # one head each: a state (66 KiB) that a 32-token attention page of 4 KV
+            # heads of 256 holds in bf16 (vLLM otherwise raises the block size).
+            linear_num_key_heads=1,
+            linear_num_value_heads=1,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
             num_experts=4,
             num_experts_per_tok=2,
