@@ -1,4 +1,4 @@
-"""What the end-to-end benchmarks share (e2e.py, workload.py, lmcache_peer.py,
+"""What the end-to-end benchmarks share (e2e.py, lmcache_peer.py,
 serve.py): the benchmark model and its prompts, the engine runner that starts each
 engine in a fresh vLLM process and keeps what it measured, the summary of TTFT rows,
 a CPU monitor that tells other work on the machine apart, and where results go.
@@ -327,32 +327,6 @@ class EngineRunner:
 
     def stop(self) -> None:
         self.monitor.stop()
-
-
-def engine_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
-    """The options of a benchmark that runs engines against the store services: CPU
-    tier size, vLLM's KV fraction, the cores vLLM reserves, the work folder, and the S3
-    endpoint (store_services)."""
-    parser.add_argument("--cpu-capacity", default="4GiB")
-    parser.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM gpu_memory_utilization")
-    parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
-    parser.add_argument("--workdir", default=workdir)
-    parser.add_argument(
-        "--s3-server",
-        default="sink",
-        choices=["moto", "sink"],
-        help="what tiercache engines write through to: a sink that discards the bodies "
-        "(a remote endpoint's cost stays off this host; the default) or moto",
-    )
-
-
-def engine_runner(args: argparse.Namespace, longest_prompt: int) -> tuple[Path, EngineRunner]:
-    """The work folder (`--workdir`) and a runner whose engines take prompts of up to
-    `longest_prompt` tokens, with engine_env's core reservation; partial results are
-    kept in the work folder."""
-    work = Path(args.workdir).resolve()
-    spec = engine_spec(work, longest_prompt + 64, args.kv_fraction)
-    return work, EngineRunner(spec, work / "runs", engine_env(args), work / "partial.json")
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:

@@ -16,6 +16,9 @@ class BlockOp:
     slot: int
     tier: str  # where the bytes are now: "cpu", "disk", "s3"; "" = lost, fail the block
     req_id: str = ""  # a store's request: its blocks share S3 runs (tiercache/run_packer.py)
+    # A load's block whose slot another transfer is filling (a staging from disk or
+    # S3, or a store): tier is CPU, and the worker copies it once that fill is done.
+    after_fill: bool = False
 
 
 @dataclass

@@ -61,11 +61,39 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiercache.connector")
 
+# How long a waiting request's S3 lookup (one Redis round trip, which also touches
+# the blocks' last-access scores) is reused while vLLM asks again each step. Its local
+# tiers are looked up afresh every time; a block whose load failed since is left out
+# at once; what this bounds is an S3 object removed by the service's GC meanwhile,
+# which the touch made moments ago keeps at the far end of its order.
+S3_LOOKUP_REUSE_SECONDS = 2.0
+
+
+@dataclass
+class _S3Answer:
+    """What Redis said of a request's blocks from `start` on: the next `found` are
+    in S3 (the one after, if any before `limit`, is not)."""
+
+    start: int
+    limit: int
+    found: int
+    asked_at: float
+
+    def found_from(self, rest: int, limit: int, now: float) -> int | None:
+        """Blocks in S3 from block `rest` on, by this answer; None where it does not
+        say (it looked from elsewhere, up to another limit, or too long ago)."""
+        if limit != self.limit or now - self.asked_at > S3_LOOKUP_REUSE_SECONDS:
+            return None
+        if not self.start <= rest <= self.start + self.found:
+            return None
+        return self.start + self.found - rest
+
 
 @dataclass
 class _Lookup:
     num_computed_tokens: int
     tiers: list[str]  # tier of each block past the local hit, in order
+    step: int = 0  # the scheduler step it was made in: plans use only that step's
     # The hit as last answered: the tier of each block it could load (CPU room
     # allowing); the cost model loads a prefix of it.
     hit: list[str] = field(default_factory=list)
@@ -73,6 +101,8 @@ class _Lookup:
     # the blocks of every group the answered hit loads, as (group, index, tier).
     group_tiers: dict[tuple[int, int], str | None] = field(default_factory=dict)
     plan: list[tuple[int, int, str]] = field(default_factory=list)
+    load_async: bool = False  # what vLLM was told: the plan keeps to it
+    s3: _S3Answer | None = None  # kept while the request waits (S3_LOOKUP_REUSE_SECONDS)
 
 
 @dataclass
@@ -174,7 +204,10 @@ class TierCacheScheduler:
         if self.tier_events is not None and self.tier_events.presence is not None:
             self.tier_events.presence.start()
         self._requests: dict[str, _Request] = {}
+        # Per waiting request, its last lookup: planned from in the step it was made,
+        # its S3 answer reused while the request waits (vLLM asks every step).
         self._lookups: dict[str, _Lookup] = {}
+        self._step = 0  # steps planned so far (build_connector_meta)
         self._pending_loads: list[LoadJob] = []
         self._load_slots: dict[str, list[BlockOp]] = {}  # async loads in flight, by request
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
@@ -303,37 +336,45 @@ class TierCacheScheduler:
             return 0, False
         if self.hybrid:
             return self._lookup_groups(request, hashes, first, limit, num_computed_tokens)
-        cached = self._lookups.get(request.request_id)
-        if cached is not None and cached.num_computed_tokens == num_computed_tokens:
-            tiers = cached.tiers
-        else:
-            tiers = []
-            for i in range(first, limit):
-                block = bytes(hashes[i])
-                tier = self.policy.local_tier(block)
-                if tier is None or block in self.load_failures:
-                    break
-                tiers.append(tier)
-            rest = first + len(tiers)
-            if rest < limit and self.s3_index is not None:
+        # The local tiers afresh every time (a block evicted, failed or filled since
+        # the last ask is seen); the S3 part from the request's last answer while
+        # that still says (a waiting request is asked about every step).
+        earlier = self._lookups.get(request.request_id)
+        tiers = []
+        for i in range(first, limit):
+            block = bytes(hashes[i])
+            tier = self.policy.local_tier(block)
+            if tier is None or block in self.load_failures:
+                break
+            tiers.append(tier)
+        rest = first + len(tiers)
+        s3 = earlier.s3 if earlier is not None else None
+        if rest < limit and self.s3_index is not None:
+            wanted = [bytes(h) for h in hashes[rest:limit]]
+            found = s3.found_from(rest, limit, time.monotonic()) if s3 is not None else None
+            if found is None:
+                s3 = None
                 try:
-                    wanted = [bytes(h) for h in hashes[rest:limit]]
                     found = self.s3_index.longest_prefix(self.model_digest, self.rank_digests, wanted)
-                    found = self.load_failures.leading_clear(wanted[:found])
+                    s3 = _S3Answer(rest, limit, found, time.monotonic())
                 except RedisUnavailable:
                     found = 0
-                tiers.extend([S3] * found)
             else:
                 LOOKUP_BLOCKS.inc(limit - first)
-            cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers)
-        if self._is_async(tiers):
-            tiers = self._fit_to_cpu_tier(tiers, hashes[first : first + len(tiers)])
+            tiers.extend([S3] * self.load_failures.leading_clear(wanted[:found]))
+        else:
+            LOOKUP_BLOCKS.inc(limit - first)
+        lookup = self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers, self._step, s3=s3)
+        held = hashes[first : first + len(tiers)]
+        if self._is_async(tiers, held):
+            tiers = self._fit_to_cpu_tier(tiers, held)
         load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
         # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.
-        cached.hit = tiers
+        lookup.hit = tiers
         if not load:
             return 0, False
-        return load * self.block_size, self._is_async(tiers[:load])
+        lookup.load_async = self._is_async(tiers[:load], held[:load])
+        return load * self.block_size, lookup.load_async
 
     def _lookup_groups(
         self, request: Request, hashes, first: int, limit: int, num_computed_tokens: int
@@ -341,9 +382,9 @@ class TierCacheScheduler:
         """get_num_new_matched_tokens with several KV cache groups: the longest hit
         every group can serve (groups.py), cut by the cost model and the CPU slots
         staging needs, each cut rounded down to an end every group can still serve."""
-        cached = self._lookups.get(request.request_id)
-        if cached is None or cached.num_computed_tokens != num_computed_tokens:
-            cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, [])
+        # Every tier afresh at each ask, like a plain model's local tiers: the plan
+        # is made from this step's answer only.
+        cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, [], self._step)
         group_tiers = cached.group_tiers
 
         def holds(group: int, index: int) -> bool:
@@ -368,12 +409,13 @@ class TierCacheScheduler:
             plan = self._group_plan(group_tiers, first, end)
             tiers = [group_tiers.get((primary, i)) or S3 for i in range(first, end)]
             load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
-            if self._is_async([tier for _, _, tier in plan]) and not self._fits_cpu_tier(plan, hashes):
+            if self._is_async([tier for _, _, tier in plan], ()) and not self._fits_cpu_tier(plan, hashes):
                 load = min(load, end - first - 1)
             if load == end - first:
                 cached.tiers = cached.hit = tiers
                 cached.plan = plan
-                return load * self.block_size, self._is_async([tier for _, _, tier in plan])
+                cached.load_async = True
+                return load * self.block_size, self._is_async([tier for _, _, tier in plan], ())
             end = best_end(self.group_rules, first, first + load, self.block_size, holds)
         cached.tiers, cached.hit, cached.plan = [], [], []
         return 0, False
@@ -417,12 +459,15 @@ class TierCacheScheduler:
         cpu_blocks = [group_key(bytes(hashes[i]), g) for g, i, tier in plan if tier == CPU]
         return sum(tier != CPU for _, _, tier in plan) <= self.policy.room_for_staging(cpu_blocks)
 
-    def _is_async(self, tiers: list[str]) -> bool:
+    def _is_async(self, tiers: list[str], hashes) -> bool:
         """Whether a hit from these tiers is staged into CPU slots before its request
         is scheduled (an asynchronous load), rather than copied in during the forward.
         Always, with several KV cache groups: vLLM takes a failed load of such a model
-        only for a request waiting on an asynchronous one (worker.py)."""
-        if self.hybrid:
+        only for a request waiting on an asynchronous one (worker.py). A hit on a block
+        whose slot is being filled (another request's staging, a store) waits for that
+        fill and shares it: loading the block again would cost another read, and
+        planning it as lost would recompute it."""
+        if self.hybrid or any(self.policy.filling(bytes(h)) for h in hashes):
             return True
         if self.disk_in_forward:
             return S3 in tiers
@@ -438,7 +483,7 @@ class TierCacheScheduler:
         room = self.policy.room_for_staging(cpu_blocks)
         needed = 0
         for i, tier in enumerate(tiers):
-            if tier != CPU:
+            if tier != CPU and not self.policy.filling(bytes(hashes[i])):  # a fill shared needs no slot
                 needed += 1
                 if needed > room:
                     return tiers[:i]
@@ -453,6 +498,8 @@ class TierCacheScheduler:
             state = self._requests[req_id] = _Request(request)
         state.request = request
         lookup = self._lookups.pop(req_id, None)
+        if lookup is not None and lookup.step != self._step:
+            lookup = None  # vLLM asked in an earlier step and did not act on it then
         if lookup is not None:
             self._count_decisions(lookup, num_external_tokens // self.block_size)
         if num_external_tokens == 0 or lookup is None:
@@ -466,7 +513,7 @@ class TierCacheScheduler:
         # vLLM waits for the kind of load the lookup announced (an async one until the
         # worker reports the request finished receiving): a block lost since the
         # lookup fails and is recomputed, but never changes that kind.
-        is_async = self._is_async(lookup.tiers[:count])
+        is_async = lookup.load_async
         self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
         ops: list[BlockOp] = []
         for i, tier in enumerate(lookup.tiers[:count]):
@@ -497,7 +544,7 @@ class TierCacheScheduler:
             # vLLM loads what the lookup answered; anything else is planned anew.
             plan = self._group_plan(lookup.group_tiers, first, first + count)
         tiers = [tier for _, _, tier in plan]
-        is_async = self._is_async(tiers)
+        is_async = self._is_async(tiers, ())
         self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
         ops: list[BlockOp] = []
         lost = False
@@ -568,7 +615,14 @@ class TierCacheScheduler:
         """Pin the block's CPU slot (or a new one to stage it into). A block lost since
         the lookup gets tier "" and the worker reports it as failed: vLLM recomputes it.
         A disk block of a synchronous load is read in the forward, through no slot.
-        A block gone from the CPU tier falls back to disk where its load can read it."""
+        A block gone from the CPU tier falls back to disk where its load can read it.
+        A block whose slot another transfer is filling (a staging planned for another
+        request, a store) is copied from that slot once the fill is done: an
+        asynchronous load waits for it, pinning the slot meanwhile."""
+        if may_stage and self.policy.filling(block_hash):
+            slot = self.slots.pin(block_hash)
+            assert slot is not None  # filling: it holds a slot
+            return BlockOp(block_hash, gpu_block, slot, CPU, after_fill=True)
         if tier == CPU:
             slot = self.policy.pin_ready(block_hash)
             if slot is not None:
@@ -626,8 +680,8 @@ class TierCacheScheduler:
         self._note_store_reads(meta)
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
-        # A lookup holds only until the step it was made for is planned.
-        self._lookups.clear()
+        # A lookup is planned from only in the step it was made in (update_state_after_alloc).
+        self._step += 1
         self._hit_tiers.clear()
         return meta
 

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,35 @@ log = logging.getLogger("tiercache.connector")
 IDLE_STEP_WAIT_SECONDS = 0.01
 
 
+def _settled(filled: bool) -> Future:
+    future: Future = Future()
+    future.set_result([filled])
+    return future
+
+
+# The fill of a slot by a store, whose copy is over once the step's save is: made or void.
+_STORED = _settled(True)
+_VOID = _settled(False)
+
+
+@dataclass
+class _Fill:
+    """The last fill of a CPU slot on this rank: its block, and the future whose
+    result list says at `index` whether the copy in succeeded."""
+
+    block_hash: bytes
+    future: Future
+    index: int = 0
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def ok(self) -> bool:
+        if self.future.exception() is not None:
+            return False
+        return bool(self.future.result()[self.index])
+
+
 @dataclass
 class _AsyncLoad:
     job: LoadJob
@@ -63,6 +92,13 @@ class _AsyncLoad:
     staged: list[tuple[str, list[BlockOp], Future]]
     started: float
     staged_at: dict[str, float]  # tier -> when its last block was staged
+    # Blocks another transfer is filling the slot of, and that fill (None: this rank
+    # knows of no such fill, and the block fails).
+    after_fills: list[tuple[BlockOp, _Fill | None]] = field(default_factory=list)
+
+    def waits_on(self) -> list[Future]:
+        fills = [fill.future for _, fill in self.after_fills if fill is not None]
+        return [future for _, _, future in self.staged] + fills
 
 
 @dataclass
@@ -112,6 +148,9 @@ class TierCacheWorker:
         self._timings: list[Timing] = []  # for the scheduler's cost model
         self._forward_timer: ForwardTimer | None = None
         self._async: list[_AsyncLoad] = []
+        # Per CPU slot, its last fill (a staging or a store): a load planned to share a
+        # fill under way (BlockOp.after_fill) waits for it here.
+        self._fills: dict[int, _Fill] = {}
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         # With several KV cache groups vLLM cannot map a failed block back to its
@@ -367,6 +406,13 @@ class TierCacheWorker:
             # (mypy cannot infer a lambda with a default argument: misc)
             future.add_done_callback(lambda _, t=tier: load.staged_at.setdefault(t, time.perf_counter()))  # type: ignore[misc]
             load.staged.append((tier, ops, future))
+            for index, op in enumerate(ops):
+                self._fills[op.slot] = _Fill(op.block_hash, future, index)
+        for op in job.ops:
+            if op.after_fill:
+                fill = self._fills.get(op.slot)
+                known = fill is not None and fill.block_hash == op.block_hash
+                load.after_fills.append((op, fill if known else None))
         return load
 
     def _load_cpu_hits(self, jobs: list[LoadJob]) -> None:
@@ -504,11 +550,11 @@ class TierCacheWorker:
             return  # the paged KV is unmapped (sleep mode): loads copy in after restore
         still = []
         for load in self._async:
-            if not all(future.done() for _, _, future in load.staged):
+            if not all(future.done() for future in load.waits_on()):
                 still.append(load)
                 continue
             now = time.perf_counter()
-            staged_ok: dict[int, bool] = {}
+            staged_ok = {id(op): fill is not None and fill.ok() for op, fill in load.after_fills}
             for tier, ops, future in load.staged:
                 staged_ok.update({id(op): ok for op, ok in zip(ops, future.result(), strict=True)})
                 # A failed read counts too: the request waited for it all the same.
@@ -553,7 +599,7 @@ class TierCacheWorker:
         good: list[BlockOp] = []
         failed = False
         for op in ops:
-            ok = op.tier == CPU or staged_ok.get(id(op), False)
+            ok = staged_ok.get(id(op), False) or (op.tier == CPU and not op.after_fill)
             if op.tier in (DISK, S3) and op.slot >= 0:
                 self._emit(FILLED if ok else FILL_FAILED, (op.block_hash, op.slot))
             if ok and not failed:
@@ -602,12 +648,14 @@ class TierCacheWorker:
                 if reads_in_forward(op):
                     self._emit(READ_FAILED, op.block_hash)
                 elif op.tier in (DISK, S3):
+                    self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
                     self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 if op.slot >= 0:
                     self._emit(RELEASED, op.slot)
             if job.is_async:
                 self._finished_recving.add(job.req_id)
         for op in meta.stores:
+            self._fills[op.slot] = _Fill(op.block_hash, _VOID)
             self._emit(FILL_FAILED, (op.block_hash, op.slot))
             self._emit(RELEASED, op.slot)
 
@@ -658,6 +706,7 @@ class TierCacheWorker:
             assert self.copier is not None and self.buffer is not None  # set with the engine
             self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
         for op in meta.stores:
+            self._fills[op.slot] = _Fill(op.block_hash, _VOID if op.req_id in void else _STORED)
             if op.req_id in void:
                 self._emit(STORE_VOID, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
@@ -718,7 +767,7 @@ class TierCacheWorker:
                 self.engine.end_group(req_id)
         if self._idle_step:
             self._idle_step = False
-            staging = [future for load in self._async for _, _, future in load.staged]
+            staging = [future for load in self._async for future in load.waits_on()]
             if staging:
                 wait(staging, timeout=IDLE_STEP_WAIT_SECONDS, return_when=FIRST_COMPLETED)
         self._poll_async()

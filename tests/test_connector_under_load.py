@@ -6,11 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tiercache.config import build_config
+from tiercache.connector.metadata import FILLED, RELEASED
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats
 from tiercache.keys import KVSpec
 
-from support.scheduler_steps import blocks_of, scheduler_output
+from support.scheduler_steps import blocks_of, report, scheduler_output
 
 BLOCK = 32
 PAGE = 4096
@@ -39,9 +40,9 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
     """vLLM puts a request told "load asynchronously" in WAITING_FOR_REMOTE_KVS
     until a worker reports it in finished_recving, and the worker reports only jobs
     marked async. The second of two requests for the same disk prefix in one step
-    found every block's slot already taken by the first's staging, so all its ops
-    were planned as lost, its job was marked sync, and the request waited forever
-    (under load: three requests stuck, the engine polling with nothing to run)."""
+    finds every block's slot already taken by the first's staging: it shares that
+    staging (waits for it, then copies from the same slots), where it used to have
+    every block planned as lost and recomputed after waiting for nothing."""
     sched = make_scheduler(disk=DISK)
     first, second = request("r1", 3), request("r2", 3)
     for h in first.block_hashes:
@@ -51,11 +52,18 @@ def test_two_requests_for_one_prefix_on_disk_both_get_async_loads():
         sched.update_state_after_alloc(req, blocks_of(gpu), 3 * BLOCK)
     jobs = {job.req_id: job for job in sched.build_connector_meta(scheduler_output()).loads}
     assert jobs["r1"].is_async and [op.tier for op in jobs["r1"].ops] == ["disk"] * 3
-    # The second's blocks are being staged for the first: they fail (vLLM recomputes
-    # them), but the job is still the async load vLLM waits for.
-    assert [op.tier for op in jobs["r2"].ops] == ["", "", ""]
     assert jobs["r2"].is_async
+    shared = [(op.tier, op.after_fill, op.slot) for op in jobs["r2"].ops]
+    assert shared == [("cpu", True, op.slot) for op in jobs["r1"].ops]
     assert sched.gauges()["loads_in_flight"] == 2
+    # Each slot is pinned by both loads: neither's release frees it for the other.
+    assert sched.slots.pinned() == 3
+    for op in jobs["r1"].ops:
+        report(sched, (FILLED, (op.block_hash, op.slot)), (RELEASED, op.slot))
+    assert sched.slots.pinned() == 3
+    for op in jobs["r2"].ops:
+        report(sched, (RELEASED, op.slot))
+    assert sched.slots.pinned() == 0
 
 
 def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup():
@@ -130,3 +138,36 @@ def test_dropped_stores_reach_their_counter():
         step.add(STORES_DROPPED, dropped)
         prom.observe(step.to_dict())
     assert registry.get_sample_value("vllm:tiercache_stores_dropped_total", {"engine": "0"}) == 5
+
+
+def test_a_waiting_request_reuses_its_s3_lookup_but_never_a_stale_hit(redis_url, redis):
+    """vLLM asks about a waiting request every step until it can schedule it. Its
+    S3 lookup (a Redis round trip on the scheduler's thread, which also touches the
+    blocks' last-access scores) is made once and reused while the request waits; its
+    local tiers are looked at afresh each time, and a block whose load failed or
+    that left the disk since is not offered."""
+    from tiercache.connector.metadata import OFF_DISK, READ_FAILED
+    from tiercache.index import RedisIndex
+
+    s3 = {"bucket": "kv", "endpoint_url": "http://127.0.0.1:9"}
+    sched = make_scheduler(disk=DISK, redis_url=redis_url, s3=s3, presence={"enabled": False})
+    req = request("r1", 4)
+    blocks = [bytes(h) for h in req.block_hashes]
+    sched.policy.stored_on_disk(blocks[0])
+    for block in blocks[1:]:
+        RedisIndex(redis).add(sched.model_digest, sched.rank_digests[0], block)
+    asked = []
+    longest_prefix = sched.s3_index.longest_prefix
+    sched.s3_index.longest_prefix = lambda *args: asked.append(args) or longest_prefix(*args)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    sched.build_connector_meta(scheduler_output())  # no room: the request waits
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    sched.build_connector_meta(scheduler_output())
+    assert len(asked) == 1
+    report(sched, (READ_FAILED, blocks[2]))  # its load failed for another request
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    assert len(asked) == 1
+    report(sched, (OFF_DISK, blocks[0]))  # evicted from the disk: S3 is asked about it
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len(asked) == 2

@@ -294,11 +294,12 @@ def test_a_lower_tier_hit_is_cut_to_the_cpu_slots_transfers_leave_free():
     sched.update_state_after_alloc(req, blocks_of(range(10, 17)), 1 * BLOCK)
     (job,) = sched.build_connector_meta(scheduler_output()).loads
     assert [(op.tier, op.slot >= 0) for op in job.ops] == [("disk", True)]  # nothing planned to fail
-    # Every slot is pinned now (3 busy, 1 staging r1's block): no room at all.
-    assert sched.get_num_new_matched_tokens(request("r2", 6), 0) == (0, False)
+    # Every slot is pinned now (3 busy, 1 staging r1's block): no room past the block
+    # r1 stages, which r2 shares (it needs no slot of its own).
+    assert sched.get_num_new_matched_tokens(request("r2", 6), 0) == (1 * BLOCK, True)
     for slot in held:
         sched.slots.unpin(slot)
-    assert sched.get_num_new_matched_tokens(request("r3", 6), 0) == (3 * BLOCK, True)
+    assert sched.get_num_new_matched_tokens(request("r3", 6), 0) == (4 * BLOCK, True)
 
 
 def test_cpu_blocks_a_write_through_pins_are_not_counted_twice_against_the_room():

@@ -178,7 +178,7 @@ def test_the_worker_holds_the_gate_for_a_step_that_loads_a_hit_and_only_then(tmp
 
 def test_the_worker_holds_the_gate_for_a_step_over_vllms_prefix_cache(tmp_path):
     """A prefix-cache hit asked while its prompt is written down took 1.21-1.26x the
-    later ones without the hold (docs/benchmarks-e2e.md, "Runs 31 to 34")."""
+    later ones without the hold (docs/benchmarks-e2e.md, "What the investigations found")."""
     worker = cpu_backend_worker(tmp_path)
     gate = worker.engine.foreground
     gate.max_hold = 30.0

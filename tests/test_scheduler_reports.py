@@ -6,6 +6,7 @@ async scheduling, the default on GPUs)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -192,6 +193,7 @@ class MiniEngine:
         time_forwards: bool = False,
         forward_seconds: float = 0.0,
         movers: dict | None = None,
+        disk_share: int = 1 << 29,
     ):
         self.lag = lag
         self.num_blocks = 48
@@ -224,7 +226,7 @@ class MiniEngine:
                 self.num_blocks,
                 tp_rank=rank,
                 writes_lower_tiers=True,
-                disk_share=1 << 29,
+                disk_share=disk_share,
             )
             worker.register_kv_caches(kv, slot_bytes)
             self.kv.append(kv)
@@ -358,6 +360,75 @@ def test_scheduler_and_workers_serve_the_same_kv_whenever_outputs_arrive(tmp_pat
         assert sched.ledger.open_entries() == 0
         assert not sched._load_slots
         assert engine.loaded["cpu"] + engine.loaded["disk"] > 0  # hits were served and checked
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["outputs seen before the next step", "one step late (async)"])
+def test_a_burst_on_one_prefix_on_disk_loads_each_block_once(tmp_path, lag):
+    """After a restart, a prefix only the disk holds is asked for by several requests
+    at once: two in one step, a third while their staging may still be in flight.
+    Each block is read from disk once; the other requests share that staging (the
+    same CPU slot, copied once it is filled), and every forward reads what the
+    prefix's first request computed: none is told of a hit that is then lost."""
+    prefix = [bytes([7, b]) * 16 for b in range(4)]
+    first = MiniEngine(tmp_path, tp=1, lag=lag, cpu_slots=8)
+    try:
+        first.submit("computes", prefix)
+        first.step()
+        first.drain()
+    finally:
+        first.close()
+    engine = MiniEngine(tmp_path, tp=1, lag=lag, cpu_slots=8)  # restarted: the CPU tier is empty
+    try:
+        assert all(engine.sched.policy.local_tier(block) == "disk" for block in prefix)
+        engine.submit("a", prefix)
+        engine.submit("b", prefix)
+        engine.step()
+        engine.submit("c", prefix)
+        engine.drain()
+        assert engine.loaded["disk"] == len(prefix)  # and MiniEngine saw no block fail
+        assert engine.loaded["cpu"] == 2 * len(prefix)
+        assert engine.sched.slots.pinned() == 0 and not engine.sched._load_slots
+    finally:
+        engine.close()
+
+
+def test_a_disk_hit_evicted_after_the_plan_is_still_loaded(tmp_path):
+    """The scheduler plans a disk load from the workers' last reports. A write-down
+    running beside the step (the write-down gate off) evicts the disk tier's least
+    recently used object, the very block the plan reads, before the read: the load
+    failed and its request was recomputed with nothing wrong (issue 39, item 9). The
+    evicted object's file now lingers long enough for the loads planned before the
+    eviction was reported."""
+    prefix = [bytes([9, b]) * 16 for b in range(4)]
+    others = [[bytes([10 + r, b]) * 16 for b in range(4)] for r in range(15)]
+    first = MiniEngine(tmp_path, tp=1, lag=0, cpu_slots=64)  # room for every store
+    try:
+        for i, blocks in enumerate([prefix, *others]):
+            first.submit(f"computes{i}", blocks)
+            first.step()
+        first.drain()
+        tier = first.workers[0].engine
+        assert len(tier.disk) == 64  # a 32nd of these may linger: 2 objects
+        held_bytes = tier.disk.usage_bytes()
+        for block in prefix:  # the least recently used on disk (a restart orders by mtime)
+            os.utime(tier.disk.path_of(tier.shape.key(block)), (1, 1))
+    finally:
+        first.close()
+    # Restarted with a disk tier holding exactly these objects (the CPU tier empty).
+    engine = MiniEngine(tmp_path, tp=1, lag=0, cpu_slots=8, disk_share=held_bytes)
+    try:
+        assert engine.sched.policy.local_tier(prefix[0]) == "disk"
+        disk_tier = engine.workers[0].engine
+        newcomer = b"n" * 32  # written down by another request while this step is planned
+        data = memoryview(bytearray(disk_tier.shape.slot_bytes))
+        header = disk_tier.shape.header(newcomer, data, disk_tier.integrity_key)
+        assert disk_tier.disk.put(disk_tier.shape.key(newcomer), data, header)
+        assert disk_tier.shape.key(prefix[0]) not in disk_tier.disk  # evicted, not yet reported
+        engine.submit("hit", prefix)
+        engine.drain()
+        assert engine.loaded["disk"] == len(prefix)  # and MiniEngine saw no block fail
     finally:
         engine.close()
 

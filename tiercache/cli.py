@@ -19,7 +19,9 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 config_app = typer.Typer(
-    help="Check a configuration file.", no_args_is_help=True, rich_markup_mode="markdown"
+    help="Check a configuration file, or print the configuration reference.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(config_app, name="config")
 console = Console()
@@ -56,6 +58,15 @@ def config_check(
 
         console.print(f"[green]{file}: valid[/green]")
         print(yaml.safe_dump(resolved, sort_keys=False), end="")
+
+
+@config_app.command("docs")
+def config_docs() -> None:
+    """Print the configuration reference (docs/configuration.md) as Markdown, generated
+    from the schema: every key with its type, default and description."""
+    from tiercache.config_docs import render_reference
+
+    print(render_reference(), end="")
 
 
 @app.command()

@@ -82,21 +82,32 @@ class _Strict(BaseModel):
 
 
 class CpuTierConfig(_Strict):
-    capacity: ByteSize = Field(default=2 * 2**30, description="bytes of host memory per worker")
+    capacity: ByteSize = Field(
+        default=2 * 2**30, description="host memory for cached blocks, per worker (one slot per block)"
+    )
 
 
 class DiskTierConfig(_Strict):
-    path: Path
-    capacity: ByteSize = Field(default=100 * 2**30, description="bytes per node, split across TP ranks")
+    path: Path = Field(description="absolute path of the folder that holds the disk tier (local NVMe)")
+    capacity: ByteSize = Field(
+        default=100 * 2**30, description="disk space per node, split evenly across tensor-parallel ranks"
+    )
     # O_DIRECT bypasses the page cache: right for NVMe that holds far more than RAM.
-    o_direct: bool = False
-    fsync: bool = Field(default=False, description="fsync each object before its rename")
+    o_direct: bool = Field(
+        default=False, description="read and write objects with O_DIRECT, bypassing the page cache"
+    )
+    fsync: bool = Field(
+        default=False,
+        description="fsync each object before it becomes visible: durable across a power loss, slower",
+    )
     # Where the KV cache lives in host memory (vLLM's CPU backend), a hit on disk is
     # read straight into the paged KV beside the forward, layer by layer, as a CPU
     # hit is copied (connector/disk_reads.py). Off, or on GPUs, it is staged into a
     # CPU slot first, outside any forward.
     load_in_forward: bool = Field(
-        default=True, description="on the CPU backend, read disk hits into the KV inside the forward"
+        default=True,
+        description="vLLM's CPU backend with one tensor-parallel rank: read a disk hit straight into the "
+        "paged KV during the forward, layer by layer; off (and on GPUs) it is staged into a CPU slot first",
     )
 
     @field_validator("path")
@@ -110,25 +121,48 @@ class DiskTierConfig(_Strict):
 class S3TierConfig(_Strict):
     # AWS wants 3-63 characters; S3-compatible stores vary, and the endpoint refuses
     # what it cannot hold, so only the characters are checked here ("kv" is allowed).
-    bucket: str = Field(min_length=1, max_length=63)
-    prefix: str = ""
-    endpoint_url: str | None = None
-    region: str | None = None
-    path_style: bool = True
-    capacity: ByteSize | None = Field(default=None, description="GC budget for this namespace")
-    max_concurrency: int = Field(default=16, ge=1, le=256)
-    connect_timeout: float = Field(default=2.0, gt=0, le=60)
-    read_timeout: float = Field(default=10.0, gt=0, le=300)
-    max_attempts: int = Field(default=3, ge=1, le=10)
+    bucket: str = Field(min_length=1, max_length=63, description="the bucket that holds the S3 tier")
+    prefix: str = Field(default="", description="key prefix for every object tiercache writes in the bucket")
+    endpoint_url: str | None = Field(
+        default=None, description="an S3-compatible endpoint (MinIO, Ceph, SeaweedFS); unset: AWS S3"
+    )
+    region: str | None = Field(
+        default=None, description="the bucket's region; unset: the AWS client's default"
+    )
+    path_style: bool = Field(
+        default=True, description="address the bucket in the URL path rather than as a host name"
+    )
+    capacity: ByteSize | None = Field(
+        default=None,
+        description="this namespace's budget in the bucket, kept by the garbage collector (`tiercache serve` "
+        "or `tiercache gc`); unset, nothing bounds the S3 tier or its Redis index",
+    )
+    max_concurrency: int = Field(
+        default=16, ge=1, le=256, description="S3 requests in flight at once, per worker"
+    )
+    connect_timeout: float = Field(default=2.0, gt=0, le=60, description="seconds to open a connection to S3")
+    read_timeout: float = Field(default=10.0, gt=0, le=300, description="seconds to wait for S3 to answer")
+    max_attempts: int = Field(default=3, ge=1, le=10, description="tries per S3 request, the first included")
     # Runs (issue 18): consecutive blocks of one request go into one object, up to
     # this many blocks or bytes of pages, whichever comes first; 1 writes one object
     # per block. A request's run ships when its prompt's last block is stored or the
     # request finishes; pack_flush_seconds bounds the wait otherwise (decode blocks,
     # writes outside a request). A prompt's chunks come one forward apart, which took
     # seconds on vLLM's CPU build: a short bound split its runs.
-    pack_blocks: int = Field(default=16, ge=1, le=1024)
-    pack_bytes: ByteSize = Field(default=16 * 2**20, description="most page bytes in one run object")
-    pack_flush_seconds: float = Field(default=5.0, gt=0, le=60)
+    pack_blocks: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="most consecutive blocks of one request stored in one S3 object (a run); 1 writes "
+        "one object per block",
+    )
+    pack_bytes: ByteSize = Field(default=16 * 2**20, description="most bytes of KV pages in one run object")
+    pack_flush_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="seconds a partial run waits for more of its request's blocks before it is uploaded",
+    )
 
     def run_blocks(self, slot_bytes: int) -> int:
         """Blocks per run for blocks of `slot_bytes`: pack_blocks, fewer if pack_bytes says so."""
@@ -165,14 +199,35 @@ class S3TierConfig(_Strict):
 
 class RedisConfig(_Strict):
     # Small on purpose: the scheduler must never wait long on a shared lookup.
-    socket_timeout: float = Field(default=0.25, gt=0, le=30)
-    connect_timeout: float = Field(default=0.25, gt=0, le=30)
+    socket_timeout: float = Field(
+        default=0.25, gt=0, le=30, description="seconds a Redis command (a shared lookup) may take"
+    )
+    connect_timeout: float = Field(default=0.25, gt=0, le=30, description="seconds to connect to Redis")
     # After a failure, shared lookups are skipped (a miss) for this long.
-    retry_backoff: float = Field(default=1.0, ge=0, le=60)
-    max_backoff: float = Field(default=30.0, ge=0, le=600)
-    ssl_ca_certs: Path | None = None
-    write_lease_ttl: float = Field(default=30.0, gt=0, le=3600)
-    read_lease_ttl: float = Field(default=30.0, gt=0, le=3600)
+    retry_backoff: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="seconds Redis is treated as down after a failure (lookups miss)",
+    )
+    max_backoff: float = Field(
+        default=30.0, ge=0, le=600, description="the longest that back-off grows to after repeated failures"
+    )
+    ssl_ca_certs: Path | None = Field(
+        default=None, description="CA bundle to verify a `rediss://` server with; unset: the system's"
+    )
+    write_lease_ttl: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="seconds a writer's lease on an S3 object lasts if not released",
+    )
+    read_lease_ttl: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="seconds a reader's lease (which keeps the GC off an object) lasts if not released",
+    )
 
 
 def _on_off(value: Any) -> Any:
@@ -183,18 +238,35 @@ def _on_off(value: Any) -> Any:
 
 
 class MoverConfig(_Strict):
-    policy: Literal["write_through", "write_back"] = "write_through"
-    promote_on_hit: bool = True
-    queue_depth: int = Field(default=1024, ge=1, le=1_000_000)
+    policy: Literal["write_through", "write_back"] = Field(
+        default="write_through",
+        description="write_through: every stored block goes to every tier; write_back: to the lower tiers "
+        "when the CPU tier evicts it",
+    )
+    promote_on_hit: bool = Field(
+        default=True, description="has no effect; accepted so that configurations which set it still load"
+    )
+    queue_depth: int = Field(
+        default=1024,
+        ge=1,
+        le=1_000_000,
+        description="queued writes to lower tiers; past it a store is dropped",
+    )
     workers: int = Field(
         default=4, ge=1, le=64, description="threads per pool: write-down, staging, and disk reads for hits"
     )
-    shutdown_flush_seconds: float = Field(default=10.0, ge=0, le=600)
+    shutdown_flush_seconds: float = Field(
+        default=10.0, ge=0, le=600, description="seconds at shutdown to finish queued writes"
+    )
     # CPU backend only: movers start no new block while a step that serves a hit runs,
     # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since
-    # serving runs with it on and off served the same (docs/benchmarks-e2e.md, "The
-    # write-down gate under serving load").
-    yield_to_loads: bool = True
+    # serving runs with it on and off served the same (docs/benchmarks-e2e.md,
+    # "What the investigations found").
+    yield_to_loads: bool = Field(
+        default=True,
+        description="vLLM's CPU backend: while a step that serves a cache hit runs, the movers start no "
+        "new write and pause the ones under way (bounded, so writes always progress)",
+    )
     upload_slot_share: float = Field(
         default=0.5,
         gt=0,
@@ -240,15 +312,32 @@ class TierCacheConfig(_Strict):
     # A refused value is never echoed in an error: it may be a secret (integrity_key).
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    namespace: str = Field(default="default", min_length=1, max_length=128)
-    redis_url: str | None = None
-    cpu: CpuTierConfig = CpuTierConfig()
-    disk: DiskTierConfig | None = None
-    s3: S3TierConfig | None = None
-    redis: RedisConfig = RedisConfig()
-    movers: MoverConfig = MoverConfig()
-    store_decode: bool = Field(default=False, description="also store blocks filled by decode")
-    model_revision: str | None = Field(default=None, description="part of the namespace digest")
+    namespace: str = Field(
+        default="default",
+        min_length=1,
+        max_length=128,
+        description="isolates caches that must never share blocks (one per deployment or tenant)",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="the shared index: `redis://`, `rediss://` (TLS) or `redis+cluster://`; unset, an "
+        "index inside this process (no sharing between instances, no S3 tier)",
+    )
+    cpu: CpuTierConfig = Field(default=CpuTierConfig(), description="the host-memory tier, always on")
+    disk: DiskTierConfig | None = Field(default=None, description="the local disk tier; absent: off")
+    s3: S3TierConfig | None = Field(
+        default=None, description="the shared S3 tier (needs `redis_url`); absent: off"
+    )
+    redis: RedisConfig = Field(default=RedisConfig(), description="how tiercache talks to Redis")
+    movers: MoverConfig = Field(
+        default=MoverConfig(), description="the threads that move blocks between tiers"
+    )
+    store_decode: bool = Field(default=False, description="also store blocks filled by generated tokens")
+    model_revision: str | None = Field(
+        default=None,
+        description="names the weights in every key; unset, a fingerprint of the weight files does, so "
+        "set it where nodes copy a model at different times",
+    )
     instance_id: str | None = Field(
         default=None,
         max_length=253,
@@ -256,13 +345,16 @@ class TierCacheConfig(_Strict):
         description="this vLLM instance's name in lookup answers: what a router maps to an endpoint "
         "(the pod's name, host:port). Default: <hostname>-<engine core pid>",
     )
-    presence: PresenceConfig = PresenceConfig()
+    presence: PresenceConfig = Field(
+        default=PresenceConfig(), description="what this instance tells routers it holds, through Redis"
+    )
     integrity_key: SecretStr | None = Field(
         default=None,
         description="a secret every writer and reader of the disk and S3 tiers shares: each object "
         "carries an HMAC-SHA256 over its header and pages made with it, and an object without a "
-        "valid one is a miss. Unset, anyone who can write to the bucket (or the disk) can forge "
-        "an object that is served",
+        "valid one is a miss. At least 32 characters; set it through TIERCACHE_INTEGRITY_KEY (or "
+        "TIERCACHE_INTEGRITY_KEY_FILE). Unset, anyone who can write to the bucket (or the disk) can "
+        "forge an object that is served",
     )
 
     @field_validator("namespace")

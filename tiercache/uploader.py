@@ -4,7 +4,7 @@ In a vLLM worker every Python thread shares one interpreter lock with the forwar
 pass, and PyTorch gives that lock up and takes it back around every operator. An
 upload holds it for long stretches (botocore builds, signs and parses each request in
 Python), so the forward waits behind it many times per step; the same uploads from
-a process of their own slow it far less (benchmarks/upload_interference.py measures
+a process of their own slow it far less (a benchmark since removed measured
 both; docs/benchmarks-e2e.md, "Store-path overhead", has the figures). The worker's
 CPU tier therefore lives in shared memory, and this process reads the blocks to
 upload straight from it: what crosses the socket between the two is a slot number,

@@ -36,6 +36,11 @@ from tiercache.tiers.format import (
 # With a pace set, a write looks at it this often (bytes): a 2 MiB block's write stops
 # at most a quarter of the way past the start of a hold (tiercache/foreground.py).
 PIECE_BYTES = 512 * 1024
+# How much the files of objects evicted a moment ago may add to the capacity, as a
+# share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
+# the workers last reported, and an object evicted since (by a write running beside
+# the step) must still serve the load planned from it (docs/reliability.md).
+LINGER_SHARE = 32  # one 32nd
 
 log = logging.getLogger(__name__)
 TIER = DISK
@@ -199,6 +204,12 @@ class DiskTier:
         self._removing: Counter[str] = Counter()
         self._usage = 0
         self._writing = 0  # bytes of writes in flight: counted against capacity too
+        # Evicted objects whose files are not unlinked yet, oldest first: no longer in
+        # the tier (reported removed), but a read planned before the report still finds
+        # them. At most `linger_bytes` of them, over the capacity.
+        self._leaving: OrderedDict[str, int] = OrderedDict()
+        self._leaving_bytes = 0
+        self.linger_bytes = capacity // LINGER_SHARE
         # Called between the pieces of a write (PIECE_BYTES each): where the engine's
         # foreground gate stops a write under way while a forward loads hits.
         self.pace: Callable[[], None] | None = None
@@ -335,6 +346,7 @@ class DiskTier:
             with self._lock:
                 _unmark(self._renaming, key)
                 if renamed:
+                    self._stop_leaving(key)  # the path holds the new file now
                     if key not in self._sizes:  # two writers of one key count it once
                         self._usage += size
                     self._sizes[key] = size
@@ -478,6 +490,7 @@ class DiskTier:
     def _forget(self, key: str) -> None:
         """Stop counting an object whose file is already gone."""
         with self._lock:
+            self._stop_leaving(key)
             size = self._uncount(key)
         if size is not None and self._on_remove:
             self._on_remove(key)
@@ -495,7 +508,14 @@ class DiskTier:
         once no rename of it is under way: its size, or None if it was not counted."""
         self._lock.wait_for(lambda: not self._renaming[key])
         self._removing[key] += 1
+        self._stop_leaving(key)
         return self._uncount(key)
+
+    def _stop_leaving(self, key: str) -> None:
+        """(Under the lock.) `key`'s lingering file is replaced or removed otherwise."""
+        size = self._leaving.pop(key, None)
+        if size is not None:
+            self._leaving_bytes -= size
 
     def _finish_removal(self, key: str, size: int | None) -> None:
         try:
@@ -509,10 +529,14 @@ class DiskTier:
                 self._lock.notify_all()
 
     def _evict_to(self, budget: int) -> None:
+        """Evict the least recently used objects until those held and those being
+        written fit `budget`. An evicted object is reported removed at once, but its
+        file lingers (still readable) while the lingering files fit `linger_bytes`:
+        past that the oldest of them are unlinked."""
         while True:
             with self._lock:
                 if self._usage + self._writing <= budget or not self._sizes:
-                    return
+                    break
                 # Picked and taken in one hold of the lock: a put of the victim that
                 # comes after sees it gone and writes it again, rather than answering
                 # True for a file about to go.
@@ -520,7 +544,36 @@ class DiskTier:
                 size = self._take(victim)
             if size is not None:
                 TIER_EVICTIONS.labels(TIER).inc()
-            self._finish_removal(victim, size)
+                self._retire(victim, size)
+            else:
+                self._finish_removal(victim, size)
+        self._unlink_lingering()
+
+    def _unlink_lingering(self) -> None:
+        while True:
+            with self._lock:
+                if self._leaving_bytes <= self.linger_bytes or not self._leaving:
+                    return
+                gone, gone_size = self._leaving.popitem(last=False)
+                self._leaving_bytes -= gone_size
+                while self._renaming[gone]:
+                    self._lock.wait()
+                if gone in self._sizes:  # written again meanwhile: the file is the new one
+                    continue
+                self._removing[gone] += 1
+            self._finish_removal(gone, None)
+
+    def _retire(self, key: str, size: int) -> None:
+        """An evicted object: reported removed, its file left to linger."""
+        try:
+            if self._on_remove:
+                self._on_remove(key)
+        finally:
+            with self._lock:
+                _unmark(self._removing, key)
+                self._leaving[key] = size
+                self._leaving_bytes += size
+                self._lock.notify_all()
 
     def contains(self, key: str) -> bool:
         with self._lock:
