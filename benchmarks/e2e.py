@@ -7,6 +7,7 @@ overhead; the Redis prefix lookup; S3 GET throughput.
     python benchmarks/e2e.py disk   --engines 3   (more fresh disk-hit engines, after ttft)
     python benchmarks/e2e.py lookup
     python benchmarks/e2e.py s3
+    python benchmarks/e2e.py s3hit  --s3-server seaweedfs   (S3 hit / CPU hit, one S3 server)
     python benchmarks/e2e.py plot   (PNGs under docs/img/ from the saved JSON)
 
 Every engine is a fresh vLLM process (tiercache.testing.vllm_runner). Each engine
@@ -49,6 +50,7 @@ from harness import (
     Requests,
     decode_rate,
     engine_env,
+    logprob_gap,
     machine,
     median,
     prompt,
@@ -127,7 +129,10 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     for d in (disk_full, disk_empty):
         shutil.rmtree(d, ignore_errors=True)
     cpu = {"capacity": args.cpu_capacity}
-    with local_stack("tiercache-bench", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):
+    stack = local_stack(
+        "tiercache-bench", s3_process=True, cpus=service_cpus(args), s3_server=s3_server(args)
+    )
+    with stack as (redis_server, s3):
         shared = {
             "redis_url": redis_server.url,
             "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
@@ -166,6 +171,105 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
 
     runner.stop()
     return {**summarize_ttft(runner.engines, lengths, args), "raw_transfers": raw}
+
+
+def s3_server(args: argparse.Namespace) -> str:
+    """The S3 server the TTFT engines use: moto, or SeaweedFS (a real store that checks
+    signatures and serves ranged GETs from its volumes); the sink only takes writes."""
+    if args.s3_server not in ("moto", "seaweedfs"):
+        raise SystemExit(f"--s3-server {args.s3_server}: ttft and s3hit read back, so moto or seaweedfs")
+    return args.s3_server
+
+
+def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
+    """The S3 hit's TTFT against the CPU hit, on one S3 server (`--s3-server`): steps 4
+    and 6 of `ttft` alone. A storing engine (each prompt cold, then its CPU hit with the
+    write-through in flight), then a fresh engine with an empty disk: each prompt's S3
+    hit, then the same prompt again, a CPU hit after the S3 promote (after a settle for
+    the warm-ups' uploads, which `ttft` does not wait for). The ratios are
+    paired prompt by prompt inside that engine; every hit is checked against the
+    storing engine's cold run of the same prompt."""
+    from tiercache.testing.servers import local_stack
+
+    server = s3_server(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    work = Path(args.workdir).resolve()
+    asks = Requests(lengths, args.repeats)
+    runner = ttft_runner(args, work, max(lengths), work / f"partial-s3hit-{server}.json")
+    disk_full, disk_empty = work / "disk-full", work / "disk-empty"
+    for d in (disk_full, disk_empty):
+        shutil.rmtree(d, ignore_errors=True)
+    cpu = {"capacity": args.cpu_capacity}
+    with local_stack("tiercache-bench", s3_process=True, cpus=service_cpus(args), s3_server=server) as (
+        redis_server,
+        s3,
+    ):
+        shared = {
+            "redis_url": redis_server.url,
+            "s3": {"bucket": "tiercache-bench", "endpoint_url": s3.url, "prefix": "e2e/"},
+            "movers": {"shutdown_flush_seconds": 300, "cost_model": "off"},  # each tier's own hit
+        }
+        runner.run(
+            "tiercache",
+            asks.warm(True, stored=True) + asks.colds(1, True),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_full)}, **shared}),
+        )
+        # The warm-ups store their own prompts, uploaded as each request ends: the
+        # settle (longer than s3.pack_flush_seconds) keeps those uploads out of the
+        # timed S3 hits (docs/benchmarks.md, "Inside vLLM: the S3 hit's TTFT with runs").
+        settle = [{"sleep": 8}]
+        runner.run(
+            "tiercache_s3",
+            asks.warm(False, stored=True) + settle + asks.hits(twice=True),
+            kv_transfer_config=tiercache_kv({"cpu": cpu, "disk": {"path": str(disk_empty)}, **shared}),
+        )
+    runner.stop()
+    engines = runner.engines
+    cold, cpu_hit = results_by(engines, "tiercache", "cold"), results_by(engines, "tiercache", "hit")
+    s3_hit, promoted = results_by(engines, "tiercache_s3", "hit"), results_by(engines, "tiercache_s3", "hit2")
+    per_length: dict[int, dict[str, Any]] = {}
+    for n in lengths:
+        keys = [k for k in sorted(s3_hit) if k[0] == n and k in promoted and k in cold]
+        ratios = [ttft(s3_hit[k]) / ttft(promoted[k]) for k in keys]
+        per_length[n] = {
+            "cold_ttft_median": median([ttft(cold[k]) for k in keys]),
+            "cpu_hit_same_engine_ttft_median": median([ttft(cpu_hit[k]) for k in keys if k in cpu_hit]),
+            "s3_hit_ttft_median": median([ttft(s3_hit[k]) for k in keys]),
+            "cpu_hit_after_s3_promote_ttft_median": median([ttft(promoted[k]) for k in keys]),
+            "s3_hit_vs_cpu_hit_paired": {"median": median(ratios), "all": ratios},
+            "s3_hit_extra_seconds_median": median([ttft(s3_hit[k]) - ttft(promoted[k]) for k in keys]),
+            "s3_hit_cached_tokens": [s3_hit[k]["num_cached_tokens"] for k in keys],
+            "max_logprob_gap": max(
+                logprob_gap(r[k]["top_logprobs"], cold[k]["top_logprobs"])
+                for r in (s3_hit, promoted)
+                for k in keys
+            ),
+        }
+    return {
+        "machine": machine(),
+        "args": vars(args),
+        "s3_server": server,
+        "lengths": lengths,
+        "per_length": per_length,
+        "raw": engines,
+    }
+
+
+def print_s3_hit(data: dict[str, Any]) -> None:
+    print(f"\nS3 server: {data['s3_server']}")
+    columns = ["prompt", "cold", "CPU hit (storing engine)", "S3 hit", "CPU hit after promote"]
+    print("| " + " | ".join([*columns, "S3 hit / CPU hit", "cached"]) + " |")
+    print("|---|---|---|---|---|---|---|")
+    for n, v in data["per_length"].items():
+        ratio = v["s3_hit_vs_cpu_hit_paired"]
+        print(
+            f"| {n} tok | {v['cold_ttft_median'] * 1000:.0f} ms "
+            f"| {v['cpu_hit_same_engine_ttft_median'] * 1000:.0f} ms "
+            f"| {v['s3_hit_ttft_median'] * 1000:.0f} ms "
+            f"| {v['cpu_hit_after_s3_promote_ttft_median'] * 1000:.0f} ms "
+            f"| {ratio['median']:.2f} ({min(ratio['all']):.2f}-{max(ratio['all']):.2f}) "
+            f"| {v['s3_hit_cached_tokens']} |"
+        )
 
 
 def raw_disk_read(root: Path, count: int) -> float:
@@ -790,7 +894,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["ttft", "disk", "store", "lookup", "s3", "plot", "table"])
+    parser.add_argument("what", choices=["ttft", "s3hit", "disk", "store", "lookup", "s3", "plot", "table"])
     parser.add_argument("--lengths", default="2000", help="prompt lengths in tokens, comma separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated by the cold runs")
@@ -814,9 +918,10 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="store: run only these engines (comma separated)")
     parser.add_argument(
         "--s3-server",
-        choices=["moto", "sink"],
+        choices=["moto", "seaweedfs", "sink"],
         default="moto",
-        help="store: the S3 endpoint written through to (see store_services)",
+        help="the S3 endpoint: for ttft and s3hit moto or seaweedfs (SeaweedFS, a real "
+        "S3-compatible store); for store moto or sink (see store_services)",
     )
     parser.add_argument("--name", default=None, help="results file name (default: the subcommand)")
     args = parser.parse_args()
@@ -825,9 +930,15 @@ def main() -> None:
         data = run_ttft(args)
         save(name, data)
         print_ttft(data)
+    elif args.what == "s3hit":
+        data = run_s3_hit(args)
+        save(args.name or f"s3hit-{args.s3_server}", data)
+        print_s3_hit(data)
     elif args.what == "disk":
         save(name, run_disk(args))
     elif args.what == "store":
+        if args.s3_server == "seaweedfs":
+            raise SystemExit("--s3-server seaweedfs: store writes through to moto or the sink")
         save(name, run_store(args))
     elif args.what == "table":
         print_ttft(json.loads((RESULTS / f"{args.name or 'ttft'}.json").read_text()))

@@ -24,6 +24,7 @@ from tiercache.config import ConfigError, build_config
 from tiercache.tiers import CPU, DISK, S3
 
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
+from .prefix_reset import follow_prefix_cache_resets
 from .scheduler import TierCacheScheduler, slot_bytes_for
 from .spec import kv_specs, refuse_unsupported
 from .stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats, decision_key
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -114,6 +115,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.slot_bytes = slot_bytes_for(kv_cache_config)
         self.scheduler: TierCacheScheduler | None = None
         self.worker: TierCacheWorker | None = None
+        # The running reset_prefix_cache call has reset the tiers already (see
+        # bind_kv_cache_manager); its reset_cache, if the caller asked for one, is done.
+        self._reset_followed = False
         if role == KVConnectorRole.SCHEDULER:
             from vllm.platforms import current_platform
 
@@ -288,6 +292,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TierCacheMetadata:
         assert self.scheduler is not None
+        self._reset_followed = False  # a step between: any later reset_cache is a reset of its own
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -299,8 +304,28 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # events (--kv-events-config); see connector/events.py.
         return self.scheduler.take_events() if self.scheduler is not None else ()
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is None:
+            return
+        # vLLM's default reset_prefix_cache(), what RL frameworks call after new
+        # weights, never calls reset_cache: follow vLLM's own reset instead.
+        follow_prefix_cache_resets(kv_cache_manager, self._follow_prefix_cache_reset)
+
+    def _follow_prefix_cache_reset(self, cleared: bool) -> None:
+        assert self.scheduler is not None
+        self.scheduler.reset_cache(vllm_cache_cleared=cleared)
+        self._reset_followed = True
+
     def reset_cache(self) -> bool | None:
-        return self.scheduler.reset_cache() if self.scheduler is not None else None
+        if self.scheduler is None:
+            return None
+        if self._reset_followed:
+            # reset_prefix_cache(reset_connector=True): vLLM's reset of its own prefix
+            # cache, just before this call, reset the tiers already.
+            self._reset_followed = False
+            return True
+        return self.scheduler.reset_cache()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None

@@ -215,6 +215,8 @@ class TierCacheScheduler:
         self.load_failures = RecentLoadFailures()
         # Set by reset_cache (new weights): every block is named anew under it.
         self._weights_epoch: bytes | None = None
+        # Set by a reset vLLM's own prefix cache refused: see reset_cache.
+        self._stores_held = False
         self.stats: Counter = Counter()
         self.cost = LoadCostModel(time.monotonic) if config.movers.cost_model == "on" else None
         self._decisions: Counter = Counter()  # (tier, decision) -> requests, not yet in vLLM's stats
@@ -310,21 +312,38 @@ class TierCacheScheduler:
             return request.block_hashes
         return [self._block_key(h) for h in request.block_hashes]
 
-    def reset_cache(self) -> bool:
+    def reset_cache(self, *, vllm_cache_cleared: bool = True) -> bool:
         """vLLM's /reset_prefix_cache, which weight-update and RL flows call after
         loading new weights: from now on no tier may serve a block computed before.
         The weights may have changed in memory only, so no digest of the files would
         notice; instead every block is named anew under a random epoch, here and in
         every object written from now on. What this node held is forgotten at once;
         the old objects are never looked up again, the disk tier's LRU and S3's GC
-        reclaim them."""
+        reclaim them. Transfers planned before finish under the keys they were planned
+        with, over KV computed before (a step's forward ends before vLLM runs a call
+        between steps), and their slots are freed when they end.
+
+        A request tracked now has KV from before: what it computes next extends that
+        KV, so none of it is stored (vLLM tracks a request it preempts and schedules
+        again anew, through update_state_after_alloc). `vllm_cache_cleared` False: vLLM
+        refused to clear its own prefix cache (requests held blocks), so a new request
+        may start from its blocks from before: nothing is stored until a reset vLLM
+        does perform."""
         self._weights_epoch = secrets.token_bytes(16)
         self.policy.clear()
         if self.tier_events is not None:
             self.tier_events.reset()
         self.ledger.forget_disk()
         self._lookups.clear()
-        log.info("tiercache: cache reset (new weights epoch): earlier blocks are no longer served")
+        self._requests.clear()
+        self._stores_held = not vllm_cache_cleared
+        if self._stores_held:
+            log.warning(
+                "tiercache: cache reset (new weights epoch), but vLLM kept its prefix cache "
+                "(requests held blocks): nothing is stored until reset_prefix_cache() succeeds"
+            )
+        else:
+            log.info("tiercache: cache reset (new weights epoch): earlier blocks are no longer served")
         return True
 
     # -- lookup -------------------------------------------------------------------
@@ -717,6 +736,8 @@ class TierCacheScheduler:
     def _plan_stores(
         self, state: _Request, req_id: str, computed: int, output: SchedulerOutput, meta: TierCacheMetadata
     ) -> None:
+        if self._stores_held:
+            return  # see reset_cache
         request = state.request
         done_tokens = computed + output.num_scheduled_tokens.get(req_id, 0)
         limit = min(done_tokens // self.block_size, len(request.block_hashes), len(state.block_ids))

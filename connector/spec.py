@@ -22,13 +22,26 @@ def refuse_unsupported(vllm_config) -> None:
     cache config, would have to know every stage's layers and slot size to tell when
     a block is whole. Until that is built, serving PP with one stage's view would
     mix or lose layers; refusing is the only right answer."""
-    pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    parallel = vllm_config.parallel_config
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     if pp_size > 1:
         raise ValueError(
             f"tiercache does not support pipeline parallelism (pipeline_parallel_size={pp_size}): "
             "run with pipeline_parallel_size=1 (tensor parallelism is supported), or without "
             "the tiercache connector"
         )
+    # Context parallelism: vLLM hashes blocks of block_size x the context-parallel size
+    # tokens and each rank holds its own shard of a block's tokens (an MLA latent cache
+    # too), while tiercache plans stores per rank-local block and writes MLA's cache once
+    # for all ranks: it would store blocks not yet computed under valid keys.
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        cp_size = int(getattr(parallel, setting, 1) or 1)
+        if cp_size > 1:
+            raise ValueError(
+                f"tiercache does not support context parallelism ({setting}={cp_size}): "
+                f"run with {setting}=1 (tensor parallelism is supported), or without the "
+                "tiercache connector"
+            )
 
 
 def _layout_name(vllm_config, kv_cache_config) -> str:

@@ -1,6 +1,11 @@
 """Shared fixtures: real servers on loopback (where a Docker engine is present,
 testcontainers runs Redis and MinIO instead of the local processes), and the CUDA
-path's copy kernel on Triton's CPU interpreter."""
+path's copy kernel on Triton's CPU interpreter.
+
+Two S3 endpoints: `s3_endpoint` is moto (any credentials, fast, for unit tests and
+fault injection); `real_s3_endpoint` is SeaweedFS, a real S3-compatible store that
+checks every request's signature, for the end-to-end tests. Under Docker both are
+the one MinIO container."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import uuid
 
 import pytest
 
-from tiercache.testing.servers import RedisServer, create_bucket, start_moto
+from tiercache.testing.servers import RedisServer, SeaweedS3, create_bucket, start_moto
 
 
 def _docker_available() -> bool:
@@ -79,6 +84,27 @@ def s3_endpoint():
 def bucket(s3_endpoint):
     name = f"tc-{uuid.uuid4().hex[:12]}"
     create_bucket(s3_endpoint, name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def real_s3_endpoint(request):
+    """SeaweedFS's S3 gateway (one `weed server` for the session), its credentials in
+    this process's environment for boto3's standard chain and every engine process a
+    test starts. moto takes any credentials, so the moto tests run on beside it."""
+    if DOCKER:
+        yield request.getfixturevalue("s3_endpoint")  # MinIO checks signatures too
+        return
+    server = SeaweedS3().start()
+    os.environ.update(server.env)
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def real_bucket(real_s3_endpoint):
+    name = f"tc-{uuid.uuid4().hex[:12]}"
+    create_bucket(real_s3_endpoint, name)
     return name
 
 

@@ -1,9 +1,10 @@
 """End to end on vLLM's CPU build with a tiny random Llama written by a fixture.
 
 Each engine below is a fresh process (tiercache.testing.vllm_runner), so "a disk hit"
-really is a hit after a restart. Outputs are compared to a run without the connector
-by the first step's top logprobs, within a tolerance: greedy tokens of a random model
-flip between near-ties when kernels differ."""
+really is a hit after a restart. The S3 tier is a real S3-compatible server
+(SeaweedFS, `real_s3_endpoint`) that checks every request's signature. Outputs are
+compared to a run without the connector by the first step's top logprobs, within a
+tolerance: greedy tokens of a random model flip between near-ties when kernels differ."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def other_model(workdir) -> str:
     return str(write_tiny_llama(workdir / "llama-b", seed=1, num_layers=3))
 
 
-def engine(model, workdir, extra=None, items=(), **spec):
+def engine(model, workdir, extra=None, items=(), env=None, **spec):
     kv = connector_config(loading_every_hit(extra)) if extra is not None else None
-    return run_engine({"model": model, "kv_transfer_config": kv, "prompts": items, **spec}, workdir / "runs")
+    return run_engine(
+        {"model": model, "kv_transfer_config": kv, "prompts": items, **spec}, workdir / "runs", env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +63,13 @@ def reference(model, workdir):
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, s3_endpoint, workdir):
+def stack(redis_url, real_s3_endpoint, workdir):
     from tiercache.testing.servers import create_bucket
 
-    create_bucket(s3_endpoint, "tc-e2e")
+    create_bucket(real_s3_endpoint, "tc-e2e")
     return {
         "redis_url": redis_url,
-        "s3": {"bucket": "tc-e2e", "endpoint_url": s3_endpoint, "region": "us-east-1", "prefix": "e2e/"},
+        "s3": {"bucket": "tc-e2e", "endpoint_url": real_s3_endpoint, "region": "us-east-1", "prefix": "e2e/"},
     }
 
 
@@ -88,7 +91,12 @@ def first_engine(model, workdir, stack, reference):
     out = engine(
         model,
         workdir,
-        {**full_config(stack, workdir / "disk-a"), "movers": {"yield_to_loads": True}},
+        # A loaded machine may take longer than the default 10 s to finish the S3 uploads
+        # at shutdown; the fresh-process S3 test needs every one of them.
+        {
+            **full_config(stack, workdir / "disk-a"),
+            "movers": {"yield_to_loads": True, "shutdown_flush_seconds": 120},
+        },
         prompts(("p1", P1), ("p1", P1), ("p2", P2), ("short", SHORT), ("sharer", SHARER)),
         log_stats=True,
         counters="vllm:tiercache_write_holds",
@@ -135,6 +143,26 @@ def test_s3_hit_from_a_fresh_process_with_empty_disk(first_engine, model, workdi
     assert_same_output(hit, reference["p1"])
     # Promoted from S3 onto this node's disk on the way up.
     assert list((workdir / "disk-empty").rglob("*.safetensors"))
+
+
+def test_a_wrong_s3_secret_is_refused_and_ends_as_a_miss(first_engine, model, workdir, stack, reference):
+    """The real server checks each request's signature (moto takes any): an engine
+    whose secret is wrong has every S3 read of P1's indexed blocks refused, recomputes
+    them, right, and its writes to S3 are refused too. A refusal says nothing about the
+    objects, so they stay indexed: a process with the right secret still gets the hit."""
+    config = full_config(stack, workdir / "disk-wrong-secret")
+    refused = engine(
+        model,
+        workdir,
+        config,
+        prompts(("p1", P1)),
+        env={"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+        log_stats=True,
+        counters="vllm:tiercache_failed_blocks",
+    )["results"][0]
+    assert_same_output(refused, reference["p1"])
+    assert refused["counters"]["tier=s3"] > 0  # the hit was planned, read and refused
+    assert "9 of 9" in where_p1_lives(workdir, config)["s3"]
 
 
 def test_another_model_on_the_same_redis_and_s3_gets_no_hit(first_engine, other_model, workdir, stack):
@@ -378,7 +406,8 @@ def test_inside_multiconnector_beside_another_connector(model, workdir, referenc
     assert_same_output(hit, reference["p1"])
 
 
-def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack):
+def where_p1_lives(workdir: Path, config: dict) -> dict[str, str]:
+    """`tiercache inspect` of P1 under `config`: its "N of 9" line for each tier."""
     import json
     import os
     import subprocess
@@ -386,12 +415,13 @@ def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack
 
     import yaml
 
-    config = workdir / "inspect.yaml"
-    config.write_text(yaml.safe_dump(full_config(stack, workdir / "disk-a")))
+    config_file = workdir / "inspect.yaml"
+    config_file.write_text(yaml.safe_dump(config))
     tokens = workdir / "p1.json"
     tokens.write_text(json.dumps(P1))
+    command = ["inspect", "--prompt", f"@{tokens}", "--config", str(config_file)]
     result = subprocess.run(
-        [sys.executable, "-m", "tiercache.cli", "inspect", "--prompt", f"@{tokens}", "--config", str(config)],
+        [sys.executable, "-m", "tiercache.cli", *command],
         capture_output=True,
         text=True,
         timeout=120,
@@ -399,5 +429,10 @@ def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if "of 9" in line]
-    assert any("s3" in line and "9 of 9" in line for line in lines), result.stdout
-    assert any("disk" in line and "9 of 9" in line for line in lines), result.stdout
+    return {tier: " ".join(line for line in lines if tier in line) for tier in ("s3", "disk")}
+
+
+def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack):
+    found = where_p1_lives(workdir, full_config(stack, workdir / "disk-a"))
+    assert "9 of 9" in found["s3"], found
+    assert "9 of 9" in found["disk"], found

@@ -1,5 +1,5 @@
 """The S3 garbage collector and the namespace flush, against a real redis-server and
-moto's S3 server, with objects written by the tier engine."""
+a real S3 server (SeaweedFS), with objects written by the tier engine."""
 
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ def key_of(deployment, h, rank=None):
     return f"{rank or deployment.rank_digests[0]}/{h.hex()}"
 
 
-def test_gc_keeps_namespace_under_capacity_oldest_first(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=4 * OBJECT)
+def test_gc_keeps_namespace_under_capacity_oldest_first(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=4 * OBJECT)
     hashes = blocks(10)
     dep = store(config, hashes)
     other = store(config, blocks(3), namespace="ns2")  # another namespace: not this budget
@@ -158,8 +158,8 @@ def test_gc_keeps_namespace_under_capacity_oldest_first(redis, redis_url, s3_end
     assert again["evicted_objects"] == 0 and again["orphans"]["deleted"] == 0
 
 
-def test_gc_evicts_across_tp_ranks_and_deployments(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=6 * OBJECT)
+def test_gc_evicts_across_tp_ranks_and_deployments(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=6 * OBJECT)
     old, new = blocks(3), blocks(3)
     dep_a = store(config, old, tp=2)
     dep_b = store(config, new, tp=2)
@@ -176,8 +176,8 @@ def test_gc_evicts_across_tp_ranks_and_deployments(redis, redis_url, s3_endpoint
         assert indexed(redis, dep_b, rank) == set(new)
 
 
-def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=2 * OBJECT)
+def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=2 * OBJECT)
     hashes = blocks(5)
     dep = store(config, hashes)
     set_ages(redis, dep, hashes)
@@ -196,14 +196,14 @@ def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, s3_endpoint,
 
     # Once the lease is released it is the oldest, and goes on the next pass.
     leases.release_read(dep.model_digest, rank, hashes[0], token)
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
     run_gc(config)
     assert indexed(redis, dep) == {hashes[4]}
     assert key_of(dep, hashes[0]) not in s3_keys(config)
 
 
-def test_gc_with_every_victim_leased_stops(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+def test_gc_with_every_victim_leased_stops(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
     hashes = blocks(3)
     dep = store(config, hashes)
     leases = Leases(redis, read_ttl=60)
@@ -234,8 +234,8 @@ class OrderCheckingS3(S3Tier):
         return super().delete_run(rank_digest, run_hex)
 
 
-def test_gc_removes_the_index_entry_before_the_object(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, capacity=1 * OBJECT)
+def test_gc_removes_the_index_entry_before_the_object(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
     hashes = blocks(4)
     dep = store(config, hashes)
     spy = OrderCheckingS3(config.s3, redis, dep)
@@ -248,8 +248,8 @@ def test_gc_removes_the_index_entry_before_the_object(redis, redis_url, s3_endpo
     assert not any(still_indexed for _, still_indexed in spy.deleted)
 
 
-def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket)  # no capacity: sweep only
+def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket)  # no capacity: sweep only
     hashes = blocks(3)
     dep = store(config, hashes)
     # Orphans: an upload whose index write never happened, and one of an unknown deployment.
@@ -285,9 +285,9 @@ def test_orphan_sweep_keeps_young_and_indexed_objects(redis, redis_url, s3_endpo
     assert stranger.key(hashes[2]) in s3_keys(config)
 
 
-def test_orphan_sweep_respects_the_prefix(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket, prefix="tenant-a/")
-    outsider = make_config(redis_url, s3_endpoint, bucket, prefix="tenant-b/")
+def test_orphan_sweep_respects_the_prefix(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, prefix="tenant-a/")
+    outsider = make_config(redis_url, real_s3_endpoint, real_bucket, prefix="tenant-b/")
     shape = ObjectShape(digest(), digest(), SLOT)
     h = blocks(1)[0]
     put_run_object(outsider, shape, [h])
@@ -310,8 +310,8 @@ def test_gc_without_s3_does_nothing(redis_url):
     assert report["errors"] == ["s3 is not configured: there is nothing to collect"]
 
 
-def test_flush_namespace_drops_index_then_objects(redis, redis_url, s3_endpoint, bucket, tmp_path):
-    config = make_config(redis_url, s3_endpoint, bucket, disk=tmp_path / "disk")
+def test_flush_namespace_drops_index_then_objects(redis, redis_url, real_s3_endpoint, real_bucket, tmp_path):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, disk=tmp_path / "disk")
     mine, theirs = blocks(4), blocks(2)
     dep = store(config, mine, tp=2)
     other = store(config, theirs, namespace="ns2")
@@ -343,8 +343,8 @@ def test_flush_namespace_drops_index_then_objects(redis, redis_url, s3_endpoint,
     assert s3_keys(config) == {key_of(other, h) for h in theirs}
 
 
-def test_flush_of_an_unknown_namespace_is_empty(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket)
+def test_flush_of_an_unknown_namespace_is_empty(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket)
     store(config, blocks(1))
     report = flush_namespace(config, "nobody")
     assert report["deployments"] == [] and report["s3_objects_deleted"] == 0
@@ -362,11 +362,11 @@ def put_orphan(config, shape, h) -> None:
 
 
 def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
-    redis, redis_url, s3_endpoint, bucket, caplog
+    redis, redis_url, real_s3_endpoint, real_bucket, caplog
 ):
     """Review fix: after a FLUSHALL every object looked orphaned and the sweep emptied
     the bucket. It now refuses, and `reindex` rebuilds the index from the objects."""
-    config = make_config(redis_url, s3_endpoint, bucket)
+    config = make_config(redis_url, real_s3_endpoint, real_bucket)
     hashes = blocks(30)
     dep = store(config, hashes, tp=2)
     assert run_gc(config)["errors"] == []  # a routine pass: it keeps a copy of the registry
@@ -415,8 +415,8 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
     assert s3_keys(config) == {key_of(dep, h, rank) for h in hashes for rank in dep.rank_digests}
 
 
-def test_forced_sweep_deletes_what_the_guard_refused(redis, redis_url, s3_endpoint, bucket):
-    config = make_config(redis_url, s3_endpoint, bucket)
+def test_forced_sweep_deletes_what_the_guard_refused(redis, redis_url, real_s3_endpoint, real_bucket):
+    config = make_config(redis_url, real_s3_endpoint, real_bucket)
     store(config, blocks(20))
     redis.client.flushall()
     assert run_gc(config, now=time.time() + 3600)["orphans"]["refused"]

@@ -120,6 +120,30 @@ def test_pipeline_parallelism_is_refused_at_connector_start(model_dir):
             TierCacheConnector(vllm_config(str(model_dir), pp=2), role, kv_cache_config())
 
 
+@pytest.mark.parametrize("setting", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_connector_start(setting):
+    """With decode or prefill context parallelism vLLM hashes blocks of block_size x
+    the CP size tokens, each rank holding a shard of them; tiercache planned stores
+    per rank-local block, so it stored blocks not yet computed under valid keys."""
+    pytest.importorskip("vllm")
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tiercache.connector.connector import TierCacheConnector
+
+    if setting == "decode_context_parallel_size":
+        parallel = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+        config = VllmConfig(parallel_config=parallel)
+    else:
+        # vLLM's V1 model runner (the only one without Triton) refuses PCP when it
+        # validates the config; the connector must refuse it all the same where it runs.
+        config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2))
+        config.parallel_config.prefill_context_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=rf"context parallelism \({setting}=2\)"):
+            TierCacheConnector(config, role, kv_cache_config())
+
+
 def engine_over(root: Path, shape: ObjectShape, capacity: int = 1 << 20) -> TierEngine:
     config = build_config(
         {"cpu": {"capacity": 2 * shape.slot_bytes}, "disk": {"path": str(root), "capacity": capacity}},

@@ -288,8 +288,8 @@ def test_inspect_checks_the_mac_given_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("forger_key", [None, OTHER_KEY], ids=["unsigned", "wrong key"])
-def test_s3_refuses_an_object_no_key_holder_wrote(s3_endpoint, bucket, forger_key):
-    config = S3TierConfig(bucket=bucket, endpoint_url=s3_endpoint, region="us-east-1")
+def test_s3_refuses_an_object_no_key_holder_wrote(real_s3_endpoint, real_bucket, forger_key):
+    config = S3TierConfig(bucket=real_bucket, endpoint_url=real_s3_endpoint, region="us-east-1")
     attacker, reader = S3Tier(config), S3Tier(config, integrity_key=KEY.encode())
     try:
         key, data = new_key(), payload(5)
@@ -316,7 +316,10 @@ def keyed_config(tmp_path, redis_url, s3_endpoint, bucket, integrity_key: str | 
     return build_config(data, environ={"TIERCACHE_INTEGRITY_KEY": integrity_key} if integrity_key else {})
 
 
-def test_a_key_mismatch_between_writer_and_reader_is_a_miss(tmp_path, redis, redis_url, s3_endpoint, bucket):
+def test_a_key_mismatch_between_writer_and_reader_is_a_miss(
+    tmp_path, redis, redis_url, real_s3_endpoint, real_bucket
+):
+    s3_endpoint, bucket = real_s3_endpoint, real_bucket
     shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], SLOT)
     blocks = [uuid.uuid4().bytes * 2 for _ in range(3)]
 
@@ -373,10 +376,11 @@ def test_the_key_stays_out_of_repr_config_check_and_errors(tmp_path, capsys):
 
 
 def test_the_upload_process_writes_signed_objects_and_never_sees_the_key(
-    tmp_path, redis, redis_url, s3_endpoint, bucket, monkeypatch, caplog, capfd
+    tmp_path, redis, redis_url, real_s3_endpoint, real_bucket, monkeypatch, caplog, capfd
 ):
     """The worker signs each header; the upload process sends it as it came. The key
     is in neither its command line, its environment, nor any log line."""
+    s3_endpoint, bucket = real_s3_endpoint, real_bucket
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("TIERCACHE_INTEGRITY_KEY", KEY)
     config = keyed_config(tmp_path, redis_url, s3_endpoint, bucket, KEY, "disk")

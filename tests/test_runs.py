@@ -1,6 +1,7 @@
 """S3 runs (issue 18): consecutive blocks of one request in one object, block-granular
 loads with one ranged GET, per-block integrity, per-object GC and reindex, Redis bytes
-per block, request counts. Real redis-server and moto's S3 server on loopback."""
+per block, request counts. Real redis-server and a real S3 server (SeaweedFS) on
+loopback."""
 
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ def make_engine(tmp_path, redis_url, s3_endpoint, bucket, *, pack=16, slots=64, 
 
 
 @pytest.fixture
-def engines(tmp_path, redis_url, s3_endpoint, bucket):
+def engines(tmp_path, redis_url, real_s3_endpoint, real_bucket):
+    """Tier engines on one bucket of the real S3 server (SeaweedFS): its ranged GETs
+    and its listing are what the runs' reads, GC and reindex meet in production."""
     made: list[TierEngine] = []
 
     def make(**kwargs) -> TierEngine:
-        engine = make_engine(tmp_path, redis_url, s3_endpoint, bucket, **kwargs)
+        engine = make_engine(tmp_path, redis_url, real_s3_endpoint, real_bucket, **kwargs)
         made.append(engine)
         return engine
 

@@ -19,15 +19,14 @@ VLLM_033 = ROOT / ".venv" / "vllm-0.33"
 CONTRACT = ROOT / "tests" / "support" / "vllm_contract.py"
 
 # vLLM's connector hooks tiercache leaves at vLLM's default, each reviewed: handshakes
-# and transfer results of disaggregated-prefill connectors, the block pool and KV cache
-# manager bindings and pending-push queries of vLLM's own offloading, a connector's
+# and transfer results of disaggregated-prefill connectors, the block pool binding and
+# pending-push queries of vLLM's own offloading, a connector's
 # own memory pool, events of vLLM's KV cache (tiercache reports its own through
 # take_events), and metadata bookkeeping whose base versions are what tiercache
 # wants. A hook a newer vLLM adds is not here, and fails the test until someone
 # decides whether tiercache must override it.
 LEFT_AT_VLLM_DEFAULT = {
     "bind_gpu_block_pool",
-    "bind_kv_cache_manager",
     "clear_connector_metadata",
     "finish_forward",
     "get_finished_count",

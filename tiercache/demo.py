@@ -54,8 +54,10 @@ def run_demo(
         if stack == "local" and not redis_url:
             from tiercache.testing.servers import local_stack
 
-            console.print("starting redis-server and an S3 server on loopback ...")
-            redis_server, s3 = stack_guard.enter_context(local_stack(bucket))
+            console.print("starting redis-server and SeaweedFS's S3 gateway on loopback ...")
+            # SeaweedFS checks every request's signature, as a production store does:
+            # its credentials are in this process's environment, and so in each engine's.
+            redis_server, s3 = stack_guard.enter_context(local_stack(bucket, s3_server="seaweedfs"))
             redis_url, s3_endpoint = redis_server.url, s3.url
         if redis_url:
             from tiercache.testing.servers import create_bucket

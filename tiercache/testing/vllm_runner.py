@@ -52,9 +52,23 @@ def loading_every_hit(extra: dict[str, Any]) -> dict[str, Any]:
     return {**extra, "movers": {**extra.get("movers", {}), "cost_model": "off"}}
 
 
+def scale_weights(worker, factor: float) -> None:
+    """Multiply every weight of `worker`'s model by `factor` in place: new weights in
+    memory, as an RL framework loads them, passed to `LLM.collective_rpc`."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in worker.model_runner.get_model().parameters():
+            parameter.mul_(factor)
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if any("update_weights" in entry for entry in spec["prompts"]):
+        # collective_rpc sends scale_weights, a callable, to the workers pickled.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     kwargs = dict(
         model=spec["model"],
@@ -93,11 +107,13 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     default_params = sampling(spec.get("max_tokens", 1))
     results: list[dict[str, Any]] = []
     for prompt in spec["prompts"]:
-        if prompt.get("reset_prefix_cache"):
-            # vLLM's own prefix cache only (not the connector's tiers): the next
-            # request for a cached prompt is then a connector hit, measured in the same
-            # engine as the prefix-cache hit before it.
-            if not llm.reset_prefix_cache():
+        if "update_weights" in prompt:
+            llm.collective_rpc(scale_weights, args=(float(prompt["update_weights"]),))
+            continue
+        if "reset_caches" in prompt:
+            # LLM.reset_prefix_cache with these arguments ({} for its defaults), as a
+            # user calls it after new weights: tiercache follows it.
+            if not llm.reset_prefix_cache(**prompt["reset_caches"]):
                 raise RuntimeError("vLLM refused to reset its prefix cache")
             continue
         if "batch" in prompt:
