@@ -14,6 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -93,7 +95,7 @@ def block_hashing(vllm_config: VllmConfig, block_size: int) -> BlockHashing | No
     return BlockHashing(algorithm, block_size, seed)
 
 
-class TierCacheConnector(KVConnectorBase_V1):
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
@@ -162,6 +164,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                 tp_rank=rank,
                 writes_lower_tiers=len(specs) > 1 or rank == 0,
                 disk_share=disk_share,
+                group_layers=[list(group.layer_names) for group in kv_cache_config.kv_cache_groups],
             )
             self._guard_gauges = GaugeReport(f"rank{rank}-guard")
 
@@ -314,6 +317,19 @@ class TierCacheConnector(KVConnectorBase_V1):
             nothing,
         )
         return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        # A hybrid model's failed hits are reported per request (worker.py).
+        worker = self.worker
+        failed: set[str] = set()
+        if worker is not None:
+            failed = self._guarded("get_transfer_results", worker.take_failed_requests, None, set())
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.worker
@@ -478,6 +494,14 @@ class TierCacheConnector(KVConnectorBase_V1):
         return self._guarded(
             "request_finished", lambda: scheduler.request_finished(request), None, (False, None)
         )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid KV cache manager calls this instead of request_finished. Stores
+        # copy out of every group's blocks before their step ends: nothing to hold.
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request)
 
     # -- metrics ----------------------------------------------------------------------
     @classmethod

@@ -69,6 +69,31 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _raw_pages(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], num_blocks: int) -> torch.Tensor:
+    """A Mamba layer's state (several tensors, each with the block dimension first,
+    lying side by side inside one page per block) as `(num_blocks, page_bytes)` bytes:
+    the whole page, padding included, so a slot holds whatever vLLM keeps there."""
+    first = min(tensors, key=lambda t: t.data_ptr())
+    if any(t.shape[0] != num_blocks for t in tensors):
+        raise ValueError(
+            f"a Mamba state tensor without {num_blocks} (the block count) as its first dimension: "
+            f"{[tuple(t.shape) for t in tensors]}"
+        )
+    page = first.stride(0) * first.element_size()
+    storage = first.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+    raw.set_(storage, first.data_ptr() - storage.data_ptr(), (num_blocks, page), (page, 1))
+    return raw
+
+
+def _blocks_view(value, num_blocks: int) -> torch.Tensor:
+    """One layer's KV with its block dimension first: a tensor as vLLM made it, or a
+    Mamba layer's state tensors as raw pages."""
+    if isinstance(value, (list, tuple)):
+        return _raw_pages(value, num_blocks)
+    return value.movedim(_block_dim(value, num_blocks), 0)
+
+
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     for dim, size in enumerate(tensor.shape):
         if size == num_blocks:
@@ -90,12 +115,26 @@ class PagedKVCopier:
         if not kv_caches:
             raise ValueError("no KV cache tensors were registered")
         self.num_blocks = num_blocks
-        regions = []
+        regions: list[LayerRegion] = []
         offset = 0
+        # A hybrid model's KV cache groups overlay one another (vLLM's hybrid KV cache
+        # manager): a layer of each group views the same memory, and a block number
+        # belongs to one group at a time. One region per distinct memory, then: a slot
+        # holds one block of whichever group owns it. `region_of` maps every layer
+        # name to its region's name (the first, in sorted order, of those sharing it).
+        self.region_of: dict[str, str] = {}
+        by_memory: dict[tuple[int, int], str] = {}
         # Sorted names: every process and rank lays a slot out the same way.
         for name in sorted(kv_caches):
-            tensor = kv_caches[name]
-            blocks = tensor.movedim(_block_dim(tensor, num_blocks), 0)
+            blocks = _blocks_view(kv_caches[name], num_blocks)
+            memory = (blocks.data_ptr(), blocks.stride(0) * blocks.element_size())
+            if memory in by_memory:
+                shared = next(region for region in regions if region.name == by_memory[memory])
+                if math.prod(blocks.shape[1:]) * blocks.element_size() > shared.nbytes:
+                    raise ValueError(f"layers {name} and {shared.name} share KV memory but not its page size")
+                self.region_of[name] = shared.name
+                continue
+            by_memory[memory] = self.region_of[name] = name
             nbytes = math.prod(blocks.shape[1:]) * blocks.element_size()
             regions.append(LayerRegion(name, blocks, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
@@ -112,6 +151,27 @@ class PagedKVCopier:
         self.staging_bytes = staging_bytes
         use_fused = self.on_cuda if fused is None else fused
         self.fused = FusedBlockCopy.for_regions(regions, self.slot_bytes, self.device) if use_fused else None
+
+    @property
+    def aliased(self) -> bool:
+        """Whether layers share regions (a hybrid model's groups overlay each other)."""
+        return len(self.region_of) > len(self.regions)
+
+    def check_groups(self, group_layers: list[list[str]]) -> None:
+        """With several KV cache groups, a slot (one block of one group) is sound only
+        if each group's layers cover every region, one layer to a region: then block b
+        of every region is group g's block b whenever g owns b. vLLM's hybrid manager
+        lays groups out so (same page size, same layer count); anything else is refused."""
+        if len(group_layers) < 2:
+            return
+        names = {region.name for region in self.regions}
+        for layers in group_layers:
+            covered = [self.region_of.get(layer) for layer in layers]
+            if len(set(covered)) != len(covered) or set(covered) != names:
+                raise ValueError(
+                    f"the KV cache group of layers {layers} does not overlay the other groups' memory "
+                    "layer for layer"
+                )
 
     def describe(self) -> tuple[str, str, str]:
         """(layout, dtype, shapes) for object headers: enough to tell what the bytes are."""

@@ -30,37 +30,52 @@ MEDIUM = {CPU: "CPU", DISK: "STORAGE"}
 LOCALITY = "LOCAL"
 # Names the producer of the event among offloading tiers (vLLM's `ownership` field).
 OWNERSHIP = "tiercache"
-# One KV cache group (the connector refuses hybrid models' several).
-_EXTRA: dict[str, Any] = {"group_idx": 0, "locality": LOCALITY, "ownership": OWNERSHIP}
+# Fields every event carries; `group_idx` (the KV cache group) is set per event.
+_EXTRA: dict[str, Any] = {"locality": LOCALITY, "ownership": OWNERSHIP}
 
 
 class TierEvents:
     """The policy's watcher: records each change for vLLM's KV events (when the
     engine publishes them) and for the presence publisher (when there is one)."""
 
-    def __init__(self, policy, block_size: int, *, publish: bool, presence: PresencePublisher | None):
+    def __init__(
+        self,
+        policy,
+        block_size: int,
+        *,
+        publish: bool,
+        presence: PresencePublisher | None,
+        hybrid: bool = False,
+        presence_group: int = 0,
+    ):
+        """`hybrid`: several KV cache groups, whose blocks past the first group's are
+        keyed apart from vLLM's hash (connector/groups.py); `presence_group`: the
+        group whose blocks presence lists (a hybrid model's first full-attention one)."""
         self.policy = policy
         self.block_size = block_size
         self.publish = publish
         self.presence = presence
-        self._changes: list[tuple[bool, str, bytes]] = []  # (stored, tier, vLLM hash), in order
-        # Tiercache key -> vLLM hash, only after a reset (before it they are the same).
-        self._keyed = False
-        self._names: dict[bytes, bytes] = {}
+        # (stored, tier, vLLM hash, KV cache group), in order
+        self._changes: list[tuple[bool, str, bytes, int]] = []
+        # Tiercache key -> (vLLM hash, group): after a reset, and for a hybrid model's
+        # blocks (before either, a key is its vLLM hash, in group 0).
+        self._keyed = hybrid
+        self._presence_group = presence_group
+        self._names: dict[bytes, tuple[bytes, int]] = {}
 
     # -- naming -------------------------------------------------------------------------
-    def name(self, key: bytes, vllm_hash: bytes) -> None:
-        """`key` is the block vLLM calls `vllm_hash` (the scheduler plans a store or a
-        load of it). Only kept while keys and hashes differ."""
+    def name(self, key: bytes, vllm_hash: bytes, group: int = 0) -> None:
+        """`key` is the block vLLM calls `vllm_hash` in KV cache group `group` (the
+        scheduler plans a store or a load of it). Only kept while keys and hashes differ."""
         if self._keyed:
-            self._names[key] = vllm_hash
+            self._names[key] = (vllm_hash, group)
             # A name outlives its block only when the block never became readable
             # (a failed fill): drop such names once they outnumber the blocks held.
             if len(self._names) > 2 * (len(self.policy.slots) + len(self.policy.on_disk)) + 1024:
                 self._prune()
 
-    def _vllm_hash(self, key: bytes) -> bytes | None:
-        return self._names.get(key) if self._keyed else key
+    def _vllm_hash(self, key: bytes) -> tuple[bytes, int] | None:
+        return self._names.get(key) if self._keyed else (key, 0)
 
     def _prune(self) -> None:
         held = self.policy.slots
@@ -82,13 +97,17 @@ class TierEvents:
             self._names.pop(block, None)
 
     def _record(self, stored: bool, tier: str, key: bytes) -> None:
-        vllm_hash = self._vllm_hash(key)
-        if vllm_hash is None:
+        named = self._vllm_hash(key)
+        if named is None:
             return
-        if self.presence is not None:
+        vllm_hash, group = named
+        if self.presence is not None and group == self._presence_group:
+            # Presence lists one group's blocks: for a hybrid model, its first
+            # full-attention group's, a router's upper bound of the hit (the
+            # service's lookup API, docs/architecture.md).
             self.presence.update(vllm_hash, tier, stored)
         if self.publish:
-            self._changes.append((stored, tier, vllm_hash))
+            self._changes.append((stored, tier, vllm_hash, group))
 
     # -- vLLM's KV events ------------------------------------------------------------------
     def take(self) -> list[Any]:
@@ -102,13 +121,19 @@ class TierEvents:
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         # Fields older vLLM builds' events lack are left out rather than refused.
-        extra = {k: v for k, v in _EXTRA.items() if k in BlockStored.__struct_fields__}
+        fields = BlockStored.__struct_fields__
+
+        def extra(group: int) -> dict[str, Any]:
+            return {k: v for k, v in {**_EXTRA, "group_idx": group}.items() if k in fields}
+
         events: list[Any] = []
         removed: list = []
-        removed_tier = ""  # the tier of the blocks in `removed`
-        for stored, tier, vllm_hash in changes:
-            if removed and (stored or tier != removed_tier):
-                events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra))
+        removed_tier, removed_group = "", 0  # the tier and group of the blocks in `removed`
+        for stored, tier, vllm_hash, group in changes:
+            if removed and (stored or tier != removed_tier or group != removed_group):
+                events.append(
+                    BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra(removed_group))
+                )
                 removed = []
             # bytes, or int if vLLM is asked for ints
             external = maybe_convert_block_hash(BlockHash(vllm_hash))
@@ -122,12 +147,14 @@ class TierEvents:
                         lora_id=None,
                         medium=MEDIUM[tier],
                         lora_name=None,
-                        **extra,
+                        **extra(group),
                     )
                 )
             else:
                 removed.append(external)
-                removed_tier = tier
+                removed_tier, removed_group = tier, group
         if removed:
-            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra))
+            events.append(
+                BlockRemoved(block_hashes=removed, medium=MEDIUM[removed_tier], **extra(removed_group))
+            )
         return events

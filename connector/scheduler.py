@@ -32,6 +32,7 @@ from tiercache.tiers.disk import DiskLayout
 
 from .cost_model import LoadCostModel
 from .events import TierEvents
+from .groups import FULL, NULL_BLOCK, STATE, WINDOW, best_end, group_key, group_rules
 from .ledger import ReportLedger
 from .load_failures import RecentLoadFailures
 from .metadata import (
@@ -96,6 +97,10 @@ class _Lookup:
     # The hit as last answered: the tier of each block it could load (CPU room
     # allowing); the cost model loads a prefix of it.
     hit: list[str] = field(default_factory=list)
+    # Several KV cache groups: the tier of each (group, block index) looked at, and
+    # the blocks of every group the answered hit loads, as (group, index, tier).
+    group_tiers: dict[tuple[int, int], str | None] = field(default_factory=dict)
+    plan: list[tuple[int, int, str]] = field(default_factory=list)
     load_async: bool = False  # what vLLM was told: the plan keeps to it
     s3: _S3Answer | None = None  # kept while the request waits (S3_LOOKUP_REUSE_SECONDS)
 
@@ -105,6 +110,8 @@ class _Request:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     next_block: int = 0  # blocks before this one are cached or planned
+    # Every KV cache group's block table (the first is `block_ids`).
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 def _touches_blocks_before_forward(scheduler_output: SchedulerOutput) -> bool:
@@ -125,12 +132,14 @@ def _starts_over_cached_blocks(scheduler_output: SchedulerOutput) -> bool:
 
 def slot_bytes_for(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
-    copier lays them out)."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        page = group.kv_cache_spec.page_size_bytes
-        total += (-(-page // 64) * 64) * len(group.layer_names)
-    return total
+    copier lays them out). With several KV cache groups (vLLM's hybrid manager) a slot
+    holds one block of one group, whose layers overlay the other groups' (copier.py):
+    the largest group's pages."""
+    sizes = [
+        (-(-group.kv_cache_spec.page_size_bytes // 64) * 64) * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    ]
+    return max(sizes) if len(sizes) > 1 else sum(sizes)
 
 
 class TierCacheScheduler:
@@ -159,6 +168,10 @@ class TierCacheScheduler:
         self.model_digest = specs[0].model_digest()
         self.rank_digests = [spec.digest() for spec in specs]
         self.slot_bytes = slot_bytes_for(kv_cache_config)
+        # What each KV cache group needs for a hit (groups.py); one rule for a plain model.
+        self.group_rules = group_rules(kv_cache_config, self.block_size)
+        # A lone sliding-window or Mamba group has null blocks in its table too.
+        self.hybrid = len(self.group_rules) > 1 or self.group_rules[0].kind in (WINDOW, STATE)
         # Filled, ready and on disk mean: on every rank (see ledger.py).
         self.policy = BlockPolicy(
             slots_for(config.cpu.capacity, self.slot_bytes),
@@ -238,6 +251,7 @@ class TierCacheScheduler:
             block_size=self.hashing.block_size if self.hashing else 0,
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
+            groups=tuple(rule.encode() for rule in self.group_rules) if self.hybrid else (),
         )
         try:
             index.register(deployment)
@@ -258,7 +272,15 @@ class TierCacheScheduler:
             )
         if not kv_events and presence is None:
             return None
-        events = TierEvents(self.policy, self.block_size, publish=kv_events, presence=presence)
+        full = [group for group, rule in enumerate(self.group_rules) if rule.kind == FULL]
+        events = TierEvents(
+            self.policy,
+            self.block_size,
+            publish=kv_events,
+            presence=presence,
+            hybrid=self.hybrid,
+            presence_group=full[0] if full and self.hybrid else 0,
+        )
         self.policy.watcher = events
         return events
 
@@ -266,11 +288,12 @@ class TierCacheScheduler:
         """vLLM KV events for this step's tier changes (connector.take_events)."""
         return self.tier_events.take() if self.tier_events is not None else []
 
-    def _name(self, key: bytes, vllm_hash: BlockHash) -> None:
-        """Events and presence name blocks by vLLM's hash, which differs from `key`
-        after a reset: say which is which before the block can change tiers."""
+    def _name(self, key: bytes, vllm_hash: BlockHash, group: int = 0) -> None:
+        """Events and presence name blocks by vLLM's hash (and KV cache group), which
+        differs from `key` after a reset or in a group past the first: say which is
+        which before the block can change tiers."""
         if self.tier_events is not None:
-            self.tier_events.name(key, bytes(vllm_hash))
+            self.tier_events.name(key, bytes(vllm_hash), group)
 
     def close(self) -> None:
         """The engine shuts down: this instance's presence leaves Redis now."""
@@ -331,6 +354,8 @@ class TierCacheScheduler:
         first = num_computed_tokens // self.block_size
         if first >= limit:
             return 0, False
+        if self.hybrid:
+            return self._lookup_groups(request, hashes, first, limit, num_computed_tokens)
         # The local tiers afresh every time (a block evicted, failed or filled since
         # the last ask is seen); the S3 part from the request's last answer while
         # that still says (a waiting request is asked about every step).
@@ -371,13 +396,98 @@ class TierCacheScheduler:
         lookup.load_async = self._is_async(tiers[:load], held[:load])
         return load * self.block_size, lookup.load_async
 
+    def _lookup_groups(
+        self, request: Request, hashes, first: int, limit: int, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """get_num_new_matched_tokens with several KV cache groups: the longest hit
+        every group can serve (groups.py), cut by the cost model and the CPU slots
+        staging needs, each cut rounded down to an end every group can still serve."""
+        # Every tier afresh at each ask, like a plain model's local tiers: the plan
+        # is made from this step's answer only.
+        cached = self._lookups[request.request_id] = _Lookup(num_computed_tokens, [], self._step)
+        group_tiers = cached.group_tiers
+
+        def holds(group: int, index: int) -> bool:
+            if (group, index) not in group_tiers:
+                key = group_key(bytes(hashes[index]), group)
+                tier = self.policy.local_tier(key)
+                if tier is None and key not in self.load_failures and self.s3_index is not None:
+                    try:
+                        found = self.s3_index.longest_prefix(self.model_digest, self.rank_digests, [key])
+                    except RedisUnavailable:
+                        found = 0
+                    tier = S3 if found else None
+                group_tiers[(group, index)] = None if key in self.load_failures else tier
+            return group_tiers[(group, index)] is not None
+
+        for group, rule in enumerate(self.group_rules):
+            if rule.kind == FULL and (group, first) not in group_tiers:
+                self._look_up_run(group, hashes, first, limit, group_tiers)
+        end = best_end(self.group_rules, first, limit, self.block_size, holds)
+        primary = next((g for g, rule in enumerate(self.group_rules) if rule.kind != STATE), 0)
+        while end > first:
+            plan = self._group_plan(group_tiers, first, end)
+            tiers = [group_tiers.get((primary, i)) or S3 for i in range(first, end)]
+            load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
+            if self._is_async([tier for _, _, tier in plan], ()) and not self._fits_cpu_tier(plan, hashes):
+                load = min(load, end - first - 1)
+            if load == end - first:
+                cached.tiers = cached.hit = tiers
+                cached.plan = plan
+                cached.load_async = True
+                return load * self.block_size, self._is_async([tier for _, _, tier in plan], ())
+            end = best_end(self.group_rules, first, first + load, self.block_size, holds)
+        cached.tiers, cached.hit, cached.plan = [], [], []
+        return 0, False
+
+    def _look_up_run(self, group: int, hashes, first: int, limit: int, group_tiers) -> None:
+        """A full-attention group's blocks from `first` on, as far as they are cached:
+        the local tiers, then S3 for the rest in one round trip."""
+        index = first
+        while index < limit:
+            key = group_key(bytes(hashes[index]), group)
+            tier = self.policy.local_tier(key)
+            if tier is None or key in self.load_failures:
+                break
+            group_tiers[(group, index)] = tier
+            index += 1
+        found = 0
+        if index < limit and self.s3_index is not None:
+            wanted = [group_key(bytes(h), group) for h in hashes[index:limit]]
+            try:
+                found = self.s3_index.longest_prefix(self.model_digest, self.rank_digests, wanted)
+                found = self.load_failures.leading_clear(wanted[:found])
+            except RedisUnavailable:
+                found = 0
+        for offset in range(found):
+            group_tiers[(group, index + offset)] = S3
+        if index + found < limit:
+            group_tiers[(group, index + found)] = None
+
+    def _group_plan(self, group_tiers, first: int, end: int) -> list[tuple[int, int, str]]:
+        """(group, index, tier) of every block a hit ending at `end` loads, by index
+        then group: a lost block fails every group's blocks after it (worker.py)."""
+        plan = [
+            (group, index, group_tiers[(group, index)])
+            for group, rule in enumerate(self.group_rules)
+            for index in rule.needs(first, end, self.block_size)
+        ]
+        return sorted(plan, key=lambda entry: (entry[1], entry[0]))
+
+    def _fits_cpu_tier(self, plan: list[tuple[int, int, str]], hashes) -> bool:
+        """Whether the CPU tier has a slot free for each disk or S3 block `plan` stages."""
+        cpu_blocks = [group_key(bytes(hashes[i]), g) for g, i, tier in plan if tier == CPU]
+        return sum(tier != CPU for _, _, tier in plan) <= self.policy.room_for_staging(cpu_blocks)
+
     def _is_async(self, tiers: list[str], hashes) -> bool:
         """Whether a hit from these tiers is staged into CPU slots before its request
         is scheduled (an asynchronous load), rather than copied in during the forward.
-        A hit on a block whose slot is being filled (another request's staging, a
-        store) waits for that fill and shares it: loading the block again would cost
-        another read, and planning it as lost would recompute it."""
-        if any(self.policy.filling(bytes(h)) for h in hashes):
+        Always, with several KV cache groups: vLLM takes a failed load of such a model
+        only for a request waiting on an asynchronous one (worker.py). A hit on a block
+        whose slot is being filled (another request's staging, a store) waits for that
+        fill and shares it: loading the block again would cost another read, and
+        planning it as lost would recompute it."""
+        if self.hybrid or any(self.policy.filling(bytes(h)) for h in hashes):
             return True
         if self.disk_in_forward:
             return S3 in tiers
@@ -414,6 +524,9 @@ class TierCacheScheduler:
             self._count_decisions(lookup, num_external_tokens // self.block_size)
         if num_external_tokens == 0 or lookup is None:
             return
+        if self.hybrid:
+            self._plan_group_loads(state, lookup, blocks.get_block_ids(), num_external_tokens)
+            return
         block_ids = blocks.get_block_ids()[0]
         first = lookup.num_computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
@@ -436,6 +549,56 @@ class TierCacheScheduler:
             if op.tier:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
+
+    def _plan_group_loads(
+        self, state: _Request, lookup: _Lookup, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        """update_state_after_alloc with several KV cache groups: each group's blocks
+        of the hit go into that group's blocks, as planned at the lookup."""
+        request = state.request
+        req_id = request.request_id
+        first = lookup.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        plan = lookup.plan
+        if count != len(lookup.tiers):
+            # vLLM loads what the lookup answered; anything else is planned anew.
+            plan = self._group_plan(lookup.group_tiers, first, first + count)
+        tiers = [tier for _, _, tier in plan]
+        is_async = self._is_async(tiers, ())
+        self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
+        ops: list[BlockOp] = []
+        lost = False
+        for group, index, tier in plan:
+            gpu_block = block_ids[group][index] if index < len(block_ids[group]) else NULL_BLOCK
+            if gpu_block == NULL_BLOCK:
+                # vLLM gave this group no block where the plan loads one: the hit
+                # cannot be whole, so every block of it is recomputed.
+                lost = True
+                continue
+            block_hash = group_key(self._block_key(request.block_hashes[index]), group)
+            self._name(block_hash, request.block_hashes[index], group)
+            ops.append(self._plan_load(block_hash, gpu_block, tier or "", may_stage=is_async))
+        if lost:
+            log.warning("tiercache: request %s: a KV cache group lacks a block of its hit", req_id)
+            for op in ops:
+                self._unplan(op)
+        job = LoadJob(req_id, ops, is_async)
+        self._pending_loads.append(job)
+        if is_async:
+            self._load_slots[req_id] = ops
+        state.next_block = max(state.next_block, first + count)
+        for op in ops:
+            if op.tier:
+                self.stats[f"hit_{op.tier}"] += 1
+                LOOKUP_HITS.labels(op.tier).inc()
+
+    def _unplan(self, op: BlockOp) -> None:
+        """Undo `_plan_load` for `op` and leave it lost: the worker reports it failed."""
+        if op.slot >= 0:
+            if op.tier in (DISK, S3):
+                self.policy.fill_failed(op.block_hash, op.slot)  # the slot claimed to stage it
+            self.policy.release(op.slot)
+        op.slot, op.tier = -1, ""
 
     def _count_decisions(self, lookup: _Lookup, loaded: int) -> None:
         """One decision per tier holding part of this request's hit: loaded, or
@@ -516,7 +679,8 @@ class TierCacheScheduler:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.group_block_ids = [list(ids) for ids in new.block_ids]
+            state.block_ids = state.group_block_ids[0]
             self._plan_stores(state, new.req_id, new.num_computed_tokens, scheduler_output, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -525,9 +689,14 @@ class TierCacheScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.group_block_ids = [list(ids) for ids in new_ids] if new_ids else []
+                state.block_ids = state.group_block_ids[0] if state.group_block_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                if len(state.group_block_ids) != len(new_ids):
+                    state.group_block_ids = [state.block_ids] + [[] for _ in new_ids[1:]]
+                for ids, added in zip(state.group_block_ids, new_ids, strict=True):
+                    ids.extend(added)
+                state.block_ids = state.group_block_ids[0]
             self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
         self._note_store_reads(meta)
         # Write-backs found while planning stores this step still precede them.
@@ -549,7 +718,8 @@ class TierCacheScheduler:
             return
         for req_id in {op.req_id for op in meta.stores}:
             state = self._requests.get(req_id)
-            reads = sorted(loading.intersection(state.block_ids)) if state is not None else []
+            tables = (state.group_block_ids or [state.block_ids]) if state is not None else []
+            reads = sorted(loading.intersection(block for ids in tables for block in ids))
             if reads:
                 meta.store_reads[req_id] = reads
 
@@ -580,6 +750,12 @@ class TierCacheScheduler:
         # failed (from the lost block on) or a preemption: they are stored as they come,
         # unless a tier holds them.
         state.next_block = min(state.next_block, computed // self.block_size)
+        if self.hybrid:
+            limit = min(done_tokens // self.block_size, len(request.block_hashes))
+            if not self.config.store_decode:
+                limit = min(limit, request.num_prompt_tokens // self.block_size)
+            self._plan_group_stores(state, req_id, limit, done_tokens, meta)
+            return
         tier_full = False
         for i in range(state.next_block, limit):
             block_hash = self._block_key(request.block_hashes[i])
@@ -603,6 +779,36 @@ class TierCacheScheduler:
         if planned and not self.config.store_decode and limit >= request.num_prompt_tokens // self.block_size:
             # The prompt's last full block is stored now: nothing more of this request
             # will come, so its S3 run need not wait for the request to finish.
+            meta.stores_done.append(req_id)
+
+    def _plan_group_stores(
+        self, state: _Request, req_id: str, limit: int, done_tokens: int, meta: TierCacheMetadata
+    ) -> None:
+        """_plan_stores with several KV cache groups: each group's blocks computed this
+        step that a later hit may need (groups.py), each under its group's name."""
+        request = state.request
+        tier_full = False
+        for i in range(state.next_block, limit):
+            for group, rule in enumerate(self.group_rules):
+                ids = state.group_block_ids[group] if group < len(state.group_block_ids) else []
+                if i >= len(ids) or ids[i] == NULL_BLOCK or not rule.stores(i, done_tokens, self.block_size):
+                    continue
+                block_hash = group_key(self._block_key(request.block_hashes[i]), group)
+                if block_hash in self.slots or block_hash in self.policy.on_disk:
+                    continue
+                if not tier_full:
+                    try:
+                        slot = self.policy.claim(block_hash)
+                    except CpuTierFull:
+                        tier_full = True
+                if tier_full:
+                    self._dropped_stores += 1
+                    continue
+                self._name(block_hash, request.block_hashes[i], group)
+                meta.stores.append(BlockOp(block_hash, ids[i], slot, CPU, req_id))
+        planned = limit > state.next_block
+        state.next_block = max(state.next_block, limit)
+        if planned and not self.config.store_decode and limit >= request.num_prompt_tokens // self.block_size:
             meta.stores_done.append(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -117,6 +117,18 @@ def _weights_identity(model: str, revision: str | None, download_dir: str | None
     return fingerprint
 
 
+def _group_signature(group) -> str:
+    """A KV cache group's kind, layer count and what decides which of its blocks a hit
+    needs (a sliding window, Mamba's cache mode)."""
+    spec = group.kv_cache_spec
+    details = [type(spec).__name__, str(len(group.layer_names)), f"b{spec.block_size}"]
+    if getattr(spec, "sliding_window", None):
+        details.append(f"w{spec.sliding_window}")
+    if getattr(spec, "mamba_cache_mode", None):
+        details.append(str(spec.mamba_cache_mode))
+    return "/".join(details)
+
+
 def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSpec]:
     """One KVSpec per TP rank (pipeline parallelism is refused by refuse_unsupported)."""
     from vllm.platforms import current_platform
@@ -131,6 +143,11 @@ def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSp
     spec = groups[0].kv_cache_spec
     layout_name = _layout_name(vllm_config, kv_cache_config)
     layout = f"{current_platform.device_type}:{layout_name}:{type(spec).__name__}"
+    if len(groups) > 1:
+        # vLLM's hybrid KV cache manager on: an object holds one block of one group
+        # (the group is in the block's name, scheduler.py), not every layer as one
+        # group of the same layers would.
+        layout += ":groups=" + ",".join(_group_signature(group) for group in groups)
     # MLA keeps one latent cache that every rank holds whole: store it once.
     is_mla = bool(getattr(model, "use_mla", False))
     ranks = 1 if is_mla else tp_size

@@ -127,8 +127,12 @@ class TierCacheWorker:
         tp_rank: int,
         writes_lower_tiers: bool,
         disk_share: int,
+        group_layers: list[list[str]] | None = None,
     ):
+        """`group_layers`: the layer names of each KV cache group (vLLM's hybrid KV
+        cache manager makes several), checked against the registered tensors."""
         self.config = config
+        self.group_layers = group_layers or []
         self.spec = spec
         self.model_digest = model_digest
         self.num_blocks = num_blocks
@@ -150,6 +154,13 @@ class TierCacheWorker:
         self._fills: dict[int, _Fill] = {}
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # With several KV cache groups vLLM cannot map a failed block back to its
+        # request (block numbers are per group) and refuses such reports: a hit that
+        # cannot be served whole fails its request instead (reported as failed
+        # receiving, which vLLM recomputes from the start). The scheduler makes every
+        # such hit an asynchronous load, whose failures are known before vLLM is told.
+        self.fails_whole_requests = len(self.group_layers) > 1
+        self._failed_recving: set[str] = set()
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
@@ -182,7 +193,14 @@ class TierCacheWorker:
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
         self._registered_kv = kv_caches
-        copier = PagedKVCopier(kv_caches, self.num_blocks)
+        try:
+            copier = PagedKVCopier(kv_caches, self.num_blocks)
+            copier.check_groups(self.group_layers)
+        except ValueError as error:
+            # Copying would mix blocks or groups: serve without the cache instead.
+            self.disabled_reason = f"{error}: tiercache is off for this engine"
+            log.error("tiercache: %s", self.disabled_reason)
+            return
         if copier.slot_bytes != expected_slot_bytes:
             # The scheduler sized slots from the KV cache config; if the tensors say
             # otherwise, copying would mix blocks. Serve without the cache instead.
@@ -493,8 +511,10 @@ class TierCacheWorker:
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM calls this before each attention layer of a step's forward."""
         self._layers_this_step.append(layer_name)
+        # A hybrid model's layers of different groups share regions (copier.py).
+        region = self.copier.region_of.get(layer_name, layer_name) if self.copier is not None else layer_name
         for step in self._layerwise:
-            step.load.wait(layer_name)
+            step.load.wait(region)
 
     def _end_of_forward(self) -> None:
         if self.engine is not None:
@@ -504,11 +524,13 @@ class TierCacheWorker:
         for step in steps:
             self._end_load(step)
         seen, self._layers_this_step = self._layers_this_step, []
-        if self._layer_order is None and self.copier is not None and seen:
-            registered = {region.name for region in self.copier.regions}
-            if registered <= set(seen):
-                self._layer_order = [name for name in dict.fromkeys(seen) if name in registered]
-                log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
+        # Every layer must wait, not only one per region: a layer that never calls the
+        # hook (a Mamba layer) could read its region before another layer sharing it
+        # had waited for the copy.
+        if self._layer_order is None and self.copier is not None and set(self.copier.region_of) <= set(seen):
+            regions = [self.copier.region_of[name] for name in seen if name in self.copier.region_of]
+            self._layer_order = list(dict.fromkeys(regions))
+            log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
 
     def _end_load(self, step: _LayerwiseStep) -> None:
         """Wait for a layer-by-layer load to be in the paged KV; report its disk blocks
@@ -570,9 +592,15 @@ class TierCacheWorker:
             # A failed read counts too: the request waited for it all the same.
             # (The done-callback may not have run yet when the future reads done.)
             self._timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
-        slowest = S3 if any(op.tier == S3 for op in load.job.ops) else DISK
+        tiers = {op.tier for op in load.job.ops}
+        # (A hybrid model's CPU hits are asynchronous loads too: scheduler.py.)
+        slowest = S3 if S3 in tiers else DISK if DISK in tiers else CPU
         self._stats.observe_load(slowest, now - load.started)
-        if self._layerwise_ready():
+        if self.fails_whole_requests and not all(
+            op.tier == CPU or staged_ok.get(id(op), False) for op in load.job.ops
+        ):
+            self._fail_request(load.job, staged_ok)
+        elif self._layerwise_ready():
             # vLLM schedules the request no earlier than the next step, whose
             # forward waits for each layer: the copy overlaps that forward.
             self._load_layerwise([load.job.ops], staged_ok, started=None)
@@ -603,7 +631,15 @@ class TierCacheWorker:
                 slots = [op.slot for op in ops]
                 future.add_done_callback(lambda _, slots=slots: self._release_slots(slots))  # type: ignore[misc]
         self._fail_ops([op for op in load.job.ops if id(op) not in late])
+        self._fail_whole(load.job)
         self._finished_recving.add(load.job.req_id)
+
+    def _fail_whole(self, job: LoadJob) -> None:
+        """With several KV cache groups vLLM takes no block-level failures (block ids
+        repeat across groups): a failed load fails its request, which vLLM recomputes."""
+        if self.fails_whole_requests:
+            self._failed_blocks.difference_update(op.gpu_block for op in job.ops)
+            self._failed_recving.add(job.req_id)
 
     def _release_slots(self, slots: list[int]) -> None:
         for slot in slots:
@@ -623,6 +659,14 @@ class TierCacheWorker:
                     self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
                     self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
+
+    def _fail_request(self, job: LoadJob, staged_ok: dict[int, bool]) -> None:
+        """A hit of several KV cache groups lost a block: none of it is copied, and
+        vLLM recomputes the request (see `fails_whole_requests`)."""
+        self._good_prefix(job.ops, staged_ok)  # the fill reports and counts
+        self._failed_blocks.difference_update(op.gpu_block for op in job.ops)
+        self._release(job.ops, staged_ok)
+        self._failed_recving.add(job.req_id)
 
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """Copy the good blocks into the paged KV; report the rest as failed."""
@@ -680,9 +724,12 @@ class TierCacheWorker:
 
     def _fail_all(self, meta: TierCacheMetadata) -> None:
         for job in meta.loads:
+            if self.fails_whole_requests:
+                self._failed_recving.add(job.req_id)
             for op in job.ops:
                 self._owed.pop(id(op), None)
-                self._failed_blocks.add(op.gpu_block)
+                if not self.fails_whole_requests:
+                    self._failed_blocks.add(op.gpu_block)
                 if reads_in_forward(op):
                     self._emit(READ_FAILED, op.block_hash)
                 elif op.tier in (DISK, S3):
@@ -735,6 +782,7 @@ class TierCacheWorker:
             [op for job in meta.loads for op in job.ops] + [op for step in steps for op in step.ops]
         )
         for job in meta.loads:
+            self._fail_whole(job)
             if job.is_async:
                 self._finished_recving.add(job.req_id)
         for op in meta.stores:
@@ -795,6 +843,9 @@ class TierCacheWorker:
         return (
             self._layer_helper is None
             and self.copier is not None
+            # Layers of several groups share a region, each writing its own blocks at
+            # its own point of the forward: copy out once the forward is over.
+            and not self.copier.aliased
             and self.buffer is not None  # set right after the copier
             and self.copier.one_launch(self.buffer)
         )
@@ -888,6 +939,12 @@ class TierCacheWorker:
         self._poll_async()
         done, self._finished_recving = self._finished_recving, set()
         return done
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed as a whole since the last call (they are in
+        `get_finished`'s answer too)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

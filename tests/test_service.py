@@ -839,3 +839,31 @@ def test_unreadable_registry_entries_are_skipped(stack, redis, tmp_path):
     assert client.post("/v1/gc", headers=admin()).status_code == 200
     assert client.delete("/v1/namespaces/ns1", headers=admin()).status_code == 200
     assert outside.is_dir()
+
+
+def test_lookup_of_a_hybrid_model_ends_where_every_kv_cache_group_can_serve(stack, redis):
+    from tiercache.kv_groups import group_key
+
+    config, client = stack
+    prompt = blocks(6)
+    model_digest, rank = digest(), digest()
+    shape = ObjectShape(model_digest, rank, SLOT)
+    # Full attention, and a 64-token sliding window over 32-token blocks: a hit ending
+    # at block n needs the window group's blocks n-2 and n-1.
+    deployment = dataclasses.replace(
+        Deployment(model_digest, config.namespace, "tiny-gemma", 1, (rank,), shape.object_bytes),
+        block_size=32,
+        groups=("full", "window:64:0"),
+    )
+    cache = LocalTierCache(config, shape, s3=S3Tier(config.s3, client=_client(config.s3)), pin_memory=False)
+    cache.engine.register(deployment)
+    stored = [*prompt, *(group_key(h, 1) for h in prompt[1:4])]  # the window group lacks 4 and 5
+    for h in stored:
+        cache.engine.write_down(h, None, lambda r: None, data=h * (SLOT // len(h)), tiers=("disk", "s3"))
+    assert cache.engine.flush(30)
+    cache.close()
+
+    response = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
+
+    (hit,) = [d for d in response.json()["deployments"] if d["model_digest"] == model_digest]
+    assert hit["prefix_blocks"] == 4 and hit["tiers"] == {"s3": 4, "disk": 4}

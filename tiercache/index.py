@@ -147,6 +147,9 @@ class Deployment:
     block_size: int = 0
     hash_algo: str = ""
     hash_seed: str | None = None
+    # A hybrid model's KV cache groups, each as the rule of what a hit needs of it
+    # (tiercache/kv_groups.py); empty for a model with one full-attention group.
+    groups: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -155,6 +158,7 @@ class Deployment:
     def from_json(cls, raw: str | bytes) -> Deployment:
         data = json.loads(raw)
         data["rank_digests"] = tuple(data["rank_digests"])
+        data["groups"] = tuple(data.get("groups") or ())
         # A field a newer tiercache added is ignored here rather than making the entry
         # unreadable: instances of two versions share one registry during an upgrade.
         known = {f.name for f in fields(cls)}

@@ -18,6 +18,7 @@ from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.errors import GcBusy
 from tiercache.index import Deployment, RedisIndex
+from tiercache.kv_groups import GroupRule, best_end, group_key
 from tiercache.presence import instance_prefixes
 from tiercache.redis_conn import GuardedRedis
 from tiercache.s3_gc import DEFAULT_ORPHAN_GRACE, run_gc
@@ -242,9 +243,13 @@ class ServiceState:
                 raw = self._hash_tokens(dep, request.token_ids, hashed)
             except ValueError as why:
                 raw, error = [], str(why)
-        # touch=False: a router asking is not a use, so GC order is left alone.
-        s3 = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False) if raw else 0
-        disk = self._disk_prefix(dep.rank_digests, [h.hex() for h in raw]) if self.disk is not None else None
+        if dep.groups and raw:
+            s3, disk = self._group_prefixes(dep, raw)
+        else:
+            # touch=False: a router asking is not a use, so GC order is left alone.
+            s3 = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False) if raw else 0
+            hexes = [h.hex() for h in raw]
+            disk = self._disk_prefix(dep.rank_digests, hexes) if self.disk is not None else None
         instances = [
             InstanceHit(instance=p.instance, cpu=p.cpu, disk=p.disk, prefix_blocks=max(p.local, s3))
             for p in instance_prefixes(self.redis, dep.model_digest, raw)
@@ -262,6 +267,33 @@ class ServiceState:
             instances=instances,
             error=error,
         )
+
+    def _group_prefixes(self, dep: Deployment, raw: list[bytes]) -> tuple[int, int | None]:
+        """A hybrid model's prefix in S3 and on disk: the longest one every KV cache
+        group can serve (tiercache/kv_groups.py), each group's blocks under their own
+        names. Presence (the instances' CPU and disk) lists one group only, the first
+        full-attention one: an upper bound."""
+        s3_index = self.index
+        assert s3_index is not None  # lookup asks only with an index
+        rules = [GroupRule.decode(text) for text in dep.groups]
+        block_size = dep.block_size or 1
+        s3_found: dict[tuple[int, int], bool] = {}
+
+        def in_s3(group: int, index: int) -> bool:
+            if (group, index) not in s3_found:
+                key = group_key(raw[index], group)
+                found = s3_index.longest_prefix(dep.model_digest, dep.rank_digests, [key], touch=False)
+                s3_found[(group, index)] = bool(found)
+            return s3_found[(group, index)]
+
+        def on_disk(group: int, index: int) -> bool:
+            assert self.disk is not None  # asked only with a disk tier
+            name = group_key(raw[index], group).hex()
+            return all(self.disk.holds(f"{rank}/{name}") for rank in dep.rank_digests)
+
+        s3 = best_end(rules, 0, len(raw), block_size, in_s3)
+        disk = best_end(rules, 0, len(raw), block_size, on_disk) if self.disk is not None else None
+        return s3, disk
 
     @staticmethod
     def _hash_tokens(dep: Deployment, token_ids: list[int], hashed: dict) -> list[bytes]:
