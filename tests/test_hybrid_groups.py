@@ -229,3 +229,42 @@ def test_a_hit_whose_group_vllm_gave_no_block_is_planned_lost_and_pins_nothing()
     (job,) = sched.build_connector_meta(scheduler_output()).loads
     assert job.ops and all(op.tier == "" and op.slot < 0 for op in job.ops)
     assert sched.slots.pinned() == pinned
+
+
+def test_a_failed_step_fails_a_hybrid_models_load_by_request_never_by_block(tmp_path):
+    """vLLM raises on block-level load failures once a model has several KV cache
+    groups (block ids repeat across groups). A step the hook guard settles as a miss
+    fails its hybrid loads by request (failed_recving), so vLLM recomputes them; before,
+    the guard's path reported their blocks and vLLM's scheduler raised."""
+    from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
+    from tiercache.connector.worker import TierCacheWorker
+
+    kv, _ = overlaid_kv()
+    groups = [["layers.0.linear", "layers.2.linear"], ["layers.1.attn", "layers.3.attn"]]
+    slot_bytes = 2 * 64 * 4
+    spec = KVSpec("m", "", "float32", "auto", BLOCK, "cpu", 4, 2, 8, 1, 0, "t", slot_bytes)
+    config = build_config(
+        {"cpu": {"capacity": 8 * slot_bytes}, "disk": {"path": str(tmp_path / "disk")}}, environ={}
+    )
+    worker = TierCacheWorker(
+        config,
+        spec,
+        "d" * 16,
+        NUM_BLOCKS,
+        tp_rank=0,
+        writes_lower_tiers=True,
+        disk_share=0,
+        group_layers=groups,
+    )
+    worker.register_kv_caches(kv, slot_bytes)
+    try:
+        assert worker.fails_whole_requests
+        ops = [BlockOp(b"h" * 32, 3, 2, "disk"), BlockOp(b"i" * 32, 4, 3, "disk")]
+        job = LoadJob("r", ops, is_async=True)
+        meta = TierCacheMetadata(loads=[job])
+        worker.fail_step(meta)
+        assert worker.take_failed_blocks() == set()
+        assert worker.take_failed_requests() == {"r"}
+        assert "r" in worker.get_finished()
+    finally:
+        worker.shutdown()
