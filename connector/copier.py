@@ -79,7 +79,11 @@ def _raw_pages(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], num_block
             f"a Mamba state tensor without {num_blocks} (the block count) as its first dimension: "
             f"{[tuple(t.shape) for t in tensors]}"
         )
-    page = first.stride(0) * first.element_size()
+    return _pages_of(first, first.stride(0) * first.element_size(), num_blocks)
+
+
+def _pages_of(first: torch.Tensor, page: int, num_blocks: int) -> torch.Tensor:
+    """`(num_blocks, page)` bytes from where `first` starts."""
     storage = first.untyped_storage()
     raw = torch.empty(0, dtype=torch.uint8, device=first.device)
     raw.set_(storage, first.data_ptr() - storage.data_ptr(), (num_blocks, page), (page, 1))
@@ -92,6 +96,36 @@ def _blocks_view(value, num_blocks: int) -> torch.Tensor:
     if isinstance(value, (list, tuple)):
         return _raw_pages(value, num_blocks)
     return value.movedim(_block_dim(value, num_blocks), 0)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _block_extent(blocks: torch.Tensor) -> int:
+    """Bytes from the start of one block of `blocks` (block dimension first) to the
+    end of its last element."""
+    if blocks[0].numel() == 0:
+        return 0
+    dims = zip(blocks.shape[1:], blocks.stride()[1:], strict=True)
+    reach = sum((size - 1) * stride for size, stride in dims)
+    return (reach + 1) * blocks.element_size()
+
+
+def _shared_pages(layers: list[tuple[str, torch.Tensor]], page: int, num_blocks: int) -> torch.Tensor:
+    """Layers of different groups that view the same pages differently (vLLM's CPU
+    build gives Qwen3-Next's linear-attention layer a byte view of just its state, the
+    start of a page its full-attention layer fills) as `(num_blocks, page)` bytes: the
+    whole page, so a slot holds a block of whichever group owns it, padding included.
+    Each view must lie inside the page."""
+    for name, blocks in layers:
+        if any(stride < 0 for stride in blocks.stride()) or _block_extent(blocks) > page:
+            raise ValueError(
+                f"layers {name} and {layers[0][0]} share KV memory but not its page size: a block of "
+                f"{name} ({list(blocks.shape[1:])}, strides {list(blocks.stride()[1:])}, {blocks.dtype}) "
+                f"reaches past the {page}-byte page"
+            )
+    return _pages_of(layers[0][1], page, num_blocks)
 
 
 def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -120,21 +154,23 @@ class PagedKVCopier:
         # A hybrid model's KV cache groups overlay one another (vLLM's hybrid KV cache
         # manager): a layer of each group views the same memory, and a block number
         # belongs to one group at a time. One region per distinct memory, then: a slot
-        # holds one block of whichever group owns it. `region_of` maps every layer
-        # name to its region's name (the first, in sorted order, of those sharing it).
+        # holds one block of whichever group owns it: where the layers sharing memory
+        # view a block differently, the region is the whole page. `region_of` maps
+        # every layer name to its region's name (the first, in sorted order, of those
+        # sharing it).
         self.region_of: dict[str, str] = {}
-        by_memory: dict[tuple[int, int], str] = {}
         # Sorted names: every process and rank lays a slot out the same way.
+        sharing: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
         for name in sorted(kv_caches):
             blocks = _blocks_view(kv_caches[name], num_blocks)
             memory = (blocks.data_ptr(), blocks.stride(0) * blocks.element_size())
-            if memory in by_memory:
-                shared = next(region for region in regions if region.name == by_memory[memory])
-                if math.prod(blocks.shape[1:]) * blocks.element_size() > shared.nbytes:
-                    raise ValueError(f"layers {name} and {shared.name} share KV memory but not its page size")
-                self.region_of[name] = shared.name
-                continue
-            by_memory[memory] = self.region_of[name] = name
+            sharing.setdefault(memory, []).append((name, blocks))
+        for (_, page), layers in sharing.items():
+            name, blocks = layers[0]
+            for other, _ in layers:
+                self.region_of[other] = name
+            if len(layers) > 1 and any(not _same_view(blocks, view) for _, view in layers[1:]):
+                blocks = _shared_pages(layers, page, num_blocks)
             nbytes = math.prod(blocks.shape[1:]) * blocks.element_size()
             regions.append(LayerRegion(name, blocks, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN

@@ -191,6 +191,46 @@ def test_a_slot_holds_one_block_of_whichever_group_owns_it():
         assert not flat.view(NUM_BLOCKS, 64)[5].any()  # nothing else written
 
 
+def cpu_build_qwen3_next_kv():
+    """Qwen3-Next's KV as vLLM's CPU build registers it (scaled down): per pair of
+    layers one byte allocation of pages; the full-attention layer a bf16 tensor
+    `(blocks, heads, block size, 2 * head dim)` filling each page, the linear-attention
+    layer one int8 tensor `(blocks, 1, 1, state bytes)` over only the start of each
+    page (its state; the rest is padding)."""
+    page, state = 256, 100
+    memory = [torch.randint(-128, 128, (NUM_BLOCKS * page,), dtype=torch.int8) for _ in range(2)]
+    kv = {}
+    for i, flat in enumerate(memory):
+        kv[f"layers.{2 * i + 1}.attn"] = flat.view(torch.bfloat16).view(NUM_BLOCKS, 2, 4, 16)
+        kv[f"layers.{2 * i}.linear"] = flat.as_strided((NUM_BLOCKS, 1, 1, state), (page, state, state, 1))
+    return kv, [flat.view(NUM_BLOCKS, page) for flat in memory]
+
+
+def test_a_linear_attention_state_view_smaller_than_the_page_it_shares_copies_whole_pages():
+    kv, pages = cpu_build_qwen3_next_kv()
+    copier = PagedKVCopier(kv, NUM_BLOCKS)
+    copier.check_groups([["layers.0.linear", "layers.2.linear"], ["layers.1.attn", "layers.3.attn"]])
+    assert copier.slot_bytes == 2 * 256
+    buffer = CpuBuffer(4, copier.slot_bytes)
+    want = [layer[5].clone() for layer in pages]
+    copier.to_slots([5], [1], buffer)
+    for layer in pages:
+        layer[5] = 0
+    copier.from_slots([1], [2], buffer)
+    for layer, page in zip(pages, want, strict=True):
+        assert torch.equal(layer[2], page)  # the state and the attention block alike
+        assert not layer[5].any()
+
+
+def test_a_layer_that_reaches_past_the_page_it_shares_is_refused():
+    kv, _ = cpu_build_qwen3_next_kv()
+    flat = torch.zeros(NUM_BLOCKS * 256 + 64, dtype=torch.int8)  # room past the last page
+    kv["layers.1.attn"] = flat[: NUM_BLOCKS * 256].view(torch.bfloat16).view(NUM_BLOCKS, 2, 4, 16)
+    kv["layers.0.linear"] = flat.as_strided((NUM_BLOCKS, 1, 1, 300), (256, 300, 300, 1))
+    with pytest.raises(ValueError, match="layers.0.linear .*reaches past the 256-byte page"):
+        PagedKVCopier(kv, NUM_BLOCKS)
+
+
 def test_groups_that_do_not_overlay_layer_for_layer_are_refused():
     kv, _ = overlaid_kv()
     kv["layers.4.attn"] = torch.zeros(NUM_BLOCKS, 2, 32)  # a third region, in one group only
