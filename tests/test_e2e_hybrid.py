@@ -25,6 +25,7 @@ WINDOW = 64  # Gemma's sliding window: a hit needs its last 2 blocks in that gro
 rng = random.Random(4321)
 P1 = [rng.randrange(1, 2000) for _ in range(299)]  # 9 full blocks are loadable
 P2 = P1[: 6 * BLOCK] + [rng.randrange(1, 2000) for _ in range(200)]  # shares 6 blocks with P1
+P3 = P2[: 10 * BLOCK] + [rng.randrange(1, 2000) for _ in range(40)]  # shares 10 blocks with P2
 HMA_OFF = "Turning off hybrid kv cache manager"
 
 
@@ -76,24 +77,11 @@ def disk_objects(disk: Path) -> int:
     return len(list(disk.rglob("*.safetensors")))
 
 
-# Known gap: on vLLM's CPU build the copier refuses Qwen3-Next's KV layout (an
-# attention layer's view of a block is larger than the Mamba state page it overlays,
-# connector/copier.py), so tiercache turns itself off for that engine: it starts with
-# the hybrid manager on and serves right, without hits. Strict: fixing it fails these.
-QWEN_GAP = pytest.mark.xfail(
-    strict=True, reason="the copier refuses Qwen3-Next's CPU KV layout: tiercache off, no hits yet"
-)
-
-
-def known_gap(request, kind: str) -> None:
-    if kind == "qwen3_next":
-        request.applymarker(QWEN_GAP)
-
-
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def first_engine(request, workdir, stack):
     """Cold P1, a CPU hit of it (after vLLM's own prefix cache is reset, where it is
-    on), then P2, which shares P1's first 6 blocks; every tier on."""
+    on), then P2, which shares P1's first 6 blocks, and (after another reset) P3,
+    which shares P2's first 10; every tier on."""
     kind = request.param
     disk = workdir / f"disk-{kind}"
     config = {**stack, "cpu": {"capacity": "64MiB"}, "disk": {"path": str(disk), "capacity": "256MiB"}}
@@ -101,9 +89,15 @@ def first_engine(request, workdir, stack):
         kind,
         workdir,
         config,
-        [*prompts(("p1", P1)), {"reset_prefix_cache": True}, *prompts(("p1", P1), ("p2", P2))],
+        [
+            *prompts(("p1", P1)),
+            {"reset_prefix_cache": True},
+            *prompts(("p1", P1), ("p2", P2)),
+            {"reset_prefix_cache": True},
+            *prompts(("p3", P3)),
+        ],
     )
-    return kind, {"cold": results[0], "cpu_hit": results[1], "p2": results[2]}, disk
+    return kind, {"cold": results[0], "cpu_hit": results[1], "p2": results[2], "p3": results[3]}, disk
 
 
 def test_the_engine_runs_with_the_hybrid_manager_on_and_answers_right(first_engine):
@@ -113,17 +107,15 @@ def test_the_engine_runs_with_the_hybrid_manager_on_and_answers_right(first_engi
     assert_same_output(runs["cpu_hit"], runs["cold"])
 
 
-def test_a_cpu_hit_with_the_hybrid_manager_on_matches_the_cold_run(first_engine, request):
+def test_a_cpu_hit_with_the_hybrid_manager_on_matches_the_cold_run(first_engine):
     kind, runs, _ = first_engine
-    known_gap(request, kind)
     assert runs["cold"]["num_cached_tokens"] == 0
     assert runs["cpu_hit"]["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(runs["cpu_hit"], runs["cold"])
 
 
-def test_a_shared_prefix_hits_as_far_as_every_group_can_serve(first_engine, request):
+def test_a_shared_prefix_hits_as_far_as_every_group_can_serve(first_engine):
     kind, runs, _ = first_engine
-    known_gap(request, kind)
     if kind == "gemma3":
         # Full attention holds P1's first 6 blocks and the window their last 2.
         assert runs["p2"]["num_cached_tokens"] == 6 * BLOCK
@@ -133,30 +125,34 @@ def test_a_shared_prefix_hits_as_far_as_every_group_can_serve(first_engine, requ
         # own cache.
         assert runs["cpu_hit"]["num_cached_tokens"] == 9 * BLOCK
         assert runs["p2"]["num_cached_tokens"] == 0
+    # P3: full attention (and the window) could serve 10 blocks of P2's; the
+    # linear-attention state exists only after blocks 6 and 12 of P2 (where its
+    # prefill stopped), so Qwen3-Next's hit ends at 6.
+    assert runs["p3"]["num_cached_tokens"] == (10 if kind == "gemma3" else 6) * BLOCK
 
 
-def test_each_group_stores_its_own_blocks(first_engine, request):
+def test_each_group_stores_its_own_blocks(first_engine):
     kind, _, disk = first_engine
-    known_gap(request, kind)
-    full = 9 + 6  # P1's blocks and P2's own
+    full = 9 + 6 + 1  # P1's blocks, P2's own and P3's own
     # Every sliding-window block may end some later window; a linear-attention
-    # state only where a prompt's prefill stopped on a block boundary (one each).
-    other = full if kind == "gemma3" else 2
+    # state only where a prompt's prefill stopped on a block boundary, where vLLM's
+    # align mode stops a chunk to keep the state: the end of a prompt's last full
+    # block (P1: 9, P2: 12, P3: 11) and the end of the prefix it shares with a
+    # prompt vLLM has cached (P2: 6, P3: 10).
+    other = full if kind == "gemma3" else 5
     assert disk_objects(disk) == full + other
 
 
-def test_disk_hit_in_a_fresh_engine(first_engine, workdir, request):
+def test_disk_hit_in_a_fresh_engine(first_engine, workdir):
     kind, runs, disk = first_engine
-    known_gap(request, kind)
     assert runs["cpu_hit"]["num_cached_tokens"], "no hit in the first engine: no engine to start for this"
     hit = engine(kind, workdir, {"disk": {"path": str(disk)}}, prompts(("p1", P1)))[0]
     assert hit["num_cached_tokens"] == 9 * BLOCK
     assert_same_output(hit, runs["cold"])
 
 
-def test_s3_hit_in_a_fresh_engine_with_an_empty_disk(first_engine, workdir, stack, request):
+def test_s3_hit_in_a_fresh_engine_with_an_empty_disk(first_engine, workdir, stack):
     kind, runs, _ = first_engine
-    known_gap(request, kind)
     assert runs["cpu_hit"]["num_cached_tokens"], "no hit in the first engine: no engine to start for this"
     empty = workdir / f"disk-empty-{kind}"
     config = {**stack, "disk": {"path": str(empty), "capacity": "256MiB"}}
