@@ -3,9 +3,8 @@ as after a restart or a scale-out where many requests share a few system prompts
 (issue 39, item 1): every request reuses its prefix, and each distinct block is read
 from disk once, the requests that came while it was being staged sharing that fill.
 
-One server: it computes the prefixes (stored to the CPU tier and written through to
-disk), serves other prompts until the prefixes have left its CPU tier, has vLLM's own
-prefix cache reset (tiercache's tiers are kept), then takes the burst. Disk hits are
+Two servers on one disk: the first computes the prefixes (written through to disk);
+a fresh one, whose CPU tier and prefix cache are empty, takes the burst. Disk hits are
 staged through CPU slots, as on GPUs (`disk.load_in_forward` off): that is where a
 fill in flight is shared."""
 
@@ -31,10 +30,9 @@ PREFIXES = 4
 PREFIX_BLOCKS = 32
 PER_PREFIX = 6  # requests of the burst on each prefix
 SUFFIX_TOKENS = 40
-FILLERS = 6  # prompts of other prefixes that push the burst's out of the CPU tier
 # vLLM's paged KV of this model: 2 layers x (K, V) x 2 heads x 32 tokens x 64 x 4 bytes.
 KV_BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 64 * 4
-CPU_TIER_SLOTS = 160  # all of the burst's 128 distinct blocks staged at once, not the fillers too
+CPU_TIER_SLOTS = 160  # all of the burst's 128 distinct blocks staged at once
 KV_CACHE_BLOCKS = 1000  # the whole burst, each request with blocks of its own while it loads
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
 LOADED = "vllm:tiercache_loaded_blocks_total"
@@ -50,7 +48,6 @@ def prompts(seed: int, count: int, blocks: int) -> list[list[int]]:
 
 
 PREFIX_IDS = prompts(39, PREFIXES, PREFIX_BLOCKS)
-FILLER_IDS = prompts(40, FILLERS, PREFIX_BLOCKS + 1)
 
 
 def with_suffix(prefix: list[int], n: int) -> list[int]:
@@ -108,16 +105,20 @@ def burst(tmp_path_factory) -> dict:
         "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(connector_config(extra)),
     ]  # fmt: skip
-    server = VllmServer(model, args, workdir / "server.log", ENV)
+    # The first server stores the prefixes (on disk); a fresh one, whose CPU tier and
+    # prefix cache are empty, takes the burst: the scale-out or restart the issue
+    # describes. (POST /reset_prefix_cache would reset tiercache too.)
+    server = VllmServer(model, args, workdir / "store.log", ENV)
     try:
         server.wait_ready()
         name = str(model)
         asyncio.run(complete_all(server.base, name, [with_suffix(p, -1) for p in PREFIX_IDS]))
         quiet(server, name)
-        for filler in FILLER_IDS:  # one at a time: each stored before the next
-            asyncio.run(complete_all(server.base, name, [filler]))
-            quiet(server, name)
-        httpx.post(f"{server.base}/reset_prefix_cache", timeout=60).raise_for_status()
+    finally:
+        server.stop()
+    server = VllmServer(model, args, workdir / "server.log", ENV)
+    try:
+        server.wait_ready()
         before = server.metrics()
         burst = [with_suffix(p, n) for n in range(PER_PREFIX) for p in PREFIX_IDS]
         responses = asyncio.run(complete_all(server.base, name, burst))

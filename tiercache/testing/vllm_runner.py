@@ -136,6 +136,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 for result in results[-len(outs) :]:
                     result["counters"] = counters
             continue
+        if prompt.get("clear_vllm_prefix_cache"):
+            _clear_vllm_prefix_cache(llm)
+            continue
         if "ids" not in prompt:
             _control(prompt)  # a fault-injection test's hook between prompts
             continue
@@ -170,6 +173,19 @@ def _result(prompt: dict[str, Any], out, started_at: float, elapsed: float) -> d
     }
 
 
+def _clear_vllm_prefix_cache(llm) -> None:
+    """Empty vLLM's own prefix cache and nothing else, so that the next request for a
+    cached prompt is a tiercache hit in the same engine. No vLLM API does that any more:
+    tiercache follows every reset_prefix_cache. Reached through the block pool of an
+    engine core in this process (spec "in_process")."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise RuntimeError('"clear_vllm_prefix_cache" needs an engine core in this process ("in_process")')
+    if not core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to clear its prefix cache")
+
+
 def _control(entry: dict[str, Any]) -> None:
     """Entries without "ids" let a test act between prompts of one engine:
     {"touch": PATH} creates PATH (this engine reached here); {"wait_for": PATH,
@@ -180,6 +196,10 @@ def _control(entry: dict[str, Any]) -> None:
         time.sleep(float(entry["sleep"]))
     if "touch" in entry:
         Path(entry["touch"]).touch()
+    unknown = set(entry) - {"sleep", "touch", "wait_for", "timeout"}
+    if unknown:
+        # A misspelled or retired control would otherwise pass silently.
+        raise ValueError(f"unknown control entry {sorted(unknown)} in the prompts")
     if "wait_for" in entry:
         deadline = time.monotonic() + float(entry.get("timeout", 300))
         while not Path(entry["wait_for"]).exists():
