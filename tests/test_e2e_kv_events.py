@@ -200,4 +200,4 @@ def test_events_carry_the_tiers_and_lookups_answer_from_them(tmp_path, redis, re
         body = service.post("/v1/lookup", json={"namespace": NAMESPACE, "token_ids": first}).json()
         return body["deployments"][0]["instances"] == []
 
-    wait_for(gone, 15, "the instance to leave at shutdown")
+    wait_for(gone, 60, "the instance to leave at shutdown")

@@ -76,8 +76,9 @@ def run(tmp_path_factory, s3_endpoint):
         "namespace": "cost",
         "redis_url": redis_server.url,
         "cpu": {"capacity": 32 * 64 * 1024},
-        # Every slot may hold an upload: the test waits for each prompt's uploads.
-        "movers": {"upload_slot_share": 1.0},
+        # Every slot may hold an upload: the test waits for each prompt's uploads. The
+        # slow S3 hit must finish (and be measured), not be cut by the load deadline.
+        "movers": {"upload_slot_share": 1.0, "load_deadline_seconds": 300},
         "s3": {"bucket": bucket, "endpoint_url": proxy.url, "region": "us-east-1", "read_timeout": 30},
     }
     signals = root / "signals"
