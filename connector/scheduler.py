@@ -743,22 +743,17 @@ class TierCacheScheduler:
             return  # see reset_cache
         request = state.request
         done_tokens = computed + output.num_scheduled_tokens.get(req_id, 0)
-        limit = min(done_tokens // self.block_size, len(request.block_hashes), len(state.block_ids))
+        limit = min(done_tokens // self.block_size, len(request.block_hashes))
+        if not self.hybrid:
+            limit = min(limit, len(state.block_ids))
         if not self.config.store_decode:
             limit = min(limit, request.num_prompt_tokens // self.block_size)
         # vLLM computes blocks again that it had counted as computed after a load
         # failed (from the lost block on) or a preemption: they are stored as they come,
         # unless a tier holds them.
         state.next_block = min(state.next_block, computed // self.block_size)
-        if self.hybrid:
-            limit = min(done_tokens // self.block_size, len(request.block_hashes))
-            if not self.config.store_decode:
-                limit = min(limit, request.num_prompt_tokens // self.block_size)
-            self._plan_group_stores(state, req_id, limit, done_tokens, meta)
-            return
         tier_full = False
-        for i in range(state.next_block, limit):
-            block_hash = self._block_key(request.block_hashes[i])
+        for block_hash, gpu_block, vllm_hash, group in self._store_candidates(state, limit, done_tokens):
             if block_hash in self.slots or block_hash in self.policy.on_disk:
                 continue
             if not tier_full:
@@ -772,8 +767,8 @@ class TierCacheScheduler:
                 # and the operator sees it counted.
                 self._dropped_stores += 1
                 continue
-            self._name(block_hash, request.block_hashes[i])
-            meta.stores.append(BlockOp(block_hash, state.block_ids[i], slot, CPU, req_id))
+            self._name(block_hash, vllm_hash, group)
+            meta.stores.append(BlockOp(block_hash, gpu_block, slot, CPU, req_id))
         planned = limit > state.next_block
         state.next_block = max(state.next_block, limit)
         if planned and not self.config.store_decode and limit >= request.num_prompt_tokens // self.block_size:
@@ -781,35 +776,21 @@ class TierCacheScheduler:
             # will come, so its S3 run need not wait for the request to finish.
             meta.stores_done.append(req_id)
 
-    def _plan_group_stores(
-        self, state: _Request, req_id: str, limit: int, done_tokens: int, meta: TierCacheMetadata
-    ) -> None:
-        """_plan_stores with several KV cache groups: each group's blocks computed this
-        step that a later hit may need (groups.py), each under its group's name."""
+    def _store_candidates(self, state: _Request, limit: int, done_tokens: int):
+        """(name, paged-KV block, vLLM's hash, group) of each block computed up to
+        `limit` that a later hit may need: one per block, or with several KV cache
+        groups, each group's that its rule keeps (groups.py), under its group's name."""
         request = state.request
-        tier_full = False
         for i in range(state.next_block, limit):
+            vllm_hash = request.block_hashes[i]
+            if not self.hybrid:
+                yield self._block_key(vllm_hash), state.block_ids[i], vllm_hash, 0
+                continue
             for group, rule in enumerate(self.group_rules):
                 ids = state.group_block_ids[group] if group < len(state.group_block_ids) else []
                 if i >= len(ids) or ids[i] == NULL_BLOCK or not rule.stores(i, done_tokens, self.block_size):
                     continue
-                block_hash = group_key(self._block_key(request.block_hashes[i]), group)
-                if block_hash in self.slots or block_hash in self.policy.on_disk:
-                    continue
-                if not tier_full:
-                    try:
-                        slot = self.policy.claim(block_hash)
-                    except CpuTierFull:
-                        tier_full = True
-                if tier_full:
-                    self._dropped_stores += 1
-                    continue
-                self._name(block_hash, request.block_hashes[i], group)
-                meta.stores.append(BlockOp(block_hash, ids[i], slot, CPU, req_id))
-        planned = limit > state.next_block
-        state.next_block = max(state.next_block, limit)
-        if planned and not self.config.store_decode and limit >= request.num_prompt_tokens // self.block_size:
-            meta.stores_done.append(req_id)
+                yield group_key(self._block_key(vllm_hash), group), ids[i], vllm_hash, group
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
