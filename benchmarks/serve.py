@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -45,7 +44,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import IMG, RESULTS, CpuMonitor, machine, save, service_cpus, versions  # noqa: E402
+from harness import (  # noqa: E402
+    IMG,
+    RESULTS,
+    CpuMonitor,
+    foreign_vllm,
+    machine,
+    save,
+    service_cpus,
+    versions,
+)
 
 from tiercache.testing.model import write_tiny_llama  # noqa: E402
 from tiercache.testing.serving import (  # noqa: E402
@@ -212,23 +220,6 @@ def turns_sent_early(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # -- servers --------------------------------------------------------------------------
-def foreign_vllm() -> list[str]:
-    """vLLM processes on this machine that this run did not start."""
-    import psutil
-
-    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    # vLLM's modules and its engine process's title; not a bare "vllm", which pytest's
-    # "-m 'not vllm'" of other people's test runs matches too.
-    pattern = r"vllm\.|vllm_runner|vllm::|api_server"
-    found = subprocess.run(["pgrep", "-afi", pattern], capture_output=True, text=True).stdout
-    # A zombie (an exited engine process not yet reaped) uses no core.
-    return [
-        line
-        for line in found.splitlines()
-        if line and int(line.split()[0]) not in ours and not line.endswith("<defunct>")
-    ]
-
-
 def wait_for_quiet_machine(limit: float) -> float:
     """Wait (up to `limit` s) until no other vLLM runs: a timed config must not share
     the 2 cores with someone else's engine. Returns the seconds waited."""
