@@ -38,7 +38,6 @@ from harness import (
     RESULTS,
     Requests,
     decode_rate,
-    logprob_gap,
     machine,
     median,
     print_ttft_table,
@@ -170,52 +169,55 @@ def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
             kv_transfer_config=through_empty_disk,
         )
     runner.stop()
-    engines = runner.engines
-    cold, cpu_hit = results_by(engines, "tiercache", "cold"), results_by(engines, "tiercache", "hit")
-    s3_hit, promoted = results_by(engines, "tiercache_s3", "hit"), results_by(engines, "tiercache_s3", "hit2")
-    per_length: dict[int, dict[str, Any]] = {}
-    for n in lengths:
-        keys = [k for k in sorted(s3_hit) if k[0] == n and k in promoted and k in cold]
-        ratios = [ttft(s3_hit[k]) / ttft(promoted[k]) for k in keys]
-        per_length[n] = {
-            "cold_ttft_median": median([ttft(cold[k]) for k in keys]),
-            "cpu_hit_same_engine_ttft_median": median([ttft(cpu_hit[k]) for k in keys if k in cpu_hit]),
-            "s3_hit_ttft_median": median([ttft(s3_hit[k]) for k in keys]),
-            "cpu_hit_after_s3_promote_ttft_median": median([ttft(promoted[k]) for k in keys]),
-            "s3_hit_vs_cpu_hit_paired": {"median": median(ratios), "all": ratios},
-            "s3_hit_extra_seconds_median": median([ttft(s3_hit[k]) - ttft(promoted[k]) for k in keys]),
-            "s3_hit_cached_tokens": [s3_hit[k]["num_cached_tokens"] for k in keys],
-            "max_logprob_gap": max(
-                logprob_gap(r[k]["top_logprobs"], cold[k]["top_logprobs"])
-                for r in (s3_hit, promoted)
-                for k in keys
-            ),
-        }
+    table, _ = summarize_rows(runner.engines, S3HIT_ROWS, lengths, (), reference_engine="tiercache")
     return {
         "machine": machine(),
         "args": vars(args),
         "s3_server": args.s3_server,
         "lengths": lengths,
-        "per_length": per_length,
-        "raw": engines,
+        "table": table,
+        "decode": {},
+        "s3_hit_vs_cpu_hit_paired": paired_hits(runner.engines, "tiercache_s3", lengths),
+        "raw": runner.engines,
     }
+
+
+S3HIT_ROWS = {
+    "cold (storing engine)": ("tiercache", "cold"),
+    "CPU hit (storing engine, write-through in flight)": ("tiercache", "hit"),
+    "S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
+    "CPU hit (after the S3 promote)": ("tiercache_s3", "hit2"),
+}
+
+
+def paired_hits(engines: dict[str, Any], engine: str, lengths: list[int]) -> dict[int, dict[str, Any]]:
+    """Inside one engine, prompt by prompt (robust to other load on the machine): each
+    prompt's lower-tier hit against its CPU hit right after, as a ratio and in seconds."""
+    first, second = results_by(engines, engine, "hit"), results_by(engines, engine, "hit2")
+    out = {}
+    for n in lengths:
+        keys = [k for k in sorted(first) if k[0] == n and k in second]
+        out[n] = {
+            "median": median([ttft(first[k]) / ttft(second[k]) for k in keys]),
+            "all": [ttft(first[k]) / ttft(second[k]) for k in keys],
+            "extra_seconds_median": median([ttft(first[k]) - ttft(second[k]) for k in keys]),
+        }
+    return out
+
+
+def print_paired(paired: dict[Any, dict[str, Any]], what: str) -> None:
+    for n, v in paired.items():
+        print(
+            f"{what}, {n} tokens, paired in one engine: median {v['median']:.2f} "
+            f"(range {min(v['all'], default=float('nan')):.2f}-{max(v['all'], default=float('nan')):.2f}), "
+            f"{v['extra_seconds_median'] * 1000:.0f} ms more"
+        )
 
 
 def print_s3_hit(data: dict[str, Any]) -> None:
     print(f"\nS3 server: {data['s3_server']}")
-    columns = ["prompt", "cold", "CPU hit (storing engine)", "S3 hit", "CPU hit after promote"]
-    print("| " + " | ".join([*columns, "S3 hit / CPU hit", "cached"]) + " |")
-    print("|---|---|---|---|---|---|---|")
-    for n, v in data["per_length"].items():
-        ratio = v["s3_hit_vs_cpu_hit_paired"]
-        print(
-            f"| {n} tok | {v['cold_ttft_median'] * 1000:.0f} ms "
-            f"| {v['cpu_hit_same_engine_ttft_median'] * 1000:.0f} ms "
-            f"| {v['s3_hit_ttft_median'] * 1000:.0f} ms "
-            f"| {v['cpu_hit_after_s3_promote_ttft_median'] * 1000:.0f} ms "
-            f"| {ratio['median']:.2f} ({min(ratio['all']):.2f}-{max(ratio['all']):.2f}) "
-            f"| {v['s3_hit_cached_tokens']} |"
-        )
+    print_ttft_table(data)
+    print_paired(data["s3_hit_vs_cpu_hit_paired"], "S3 hit / CPU hit")
 
 
 def raw_disk_read(root: Path, count: int) -> float:
@@ -265,6 +267,12 @@ def raw_s3_get(url: str, bucket: str, prefix: str, count: int) -> float:
         return time.perf_counter() - start
 
 
+# The fresh engines whose hits come from a lower tier: what they load, the floor of it.
+LOWER_TIERS = {
+    "tiercache_disk": ("disk hit", "disk_read_seconds"),
+    "tiercache_s3": ("S3 hit", "s3_get_seconds"),
+}
+
 TTFT_ROWS = {
     "cold (no connector)": ("none", "cold"),
     "tiercache cold (storing)": ("tiercache", "cold"),
@@ -281,14 +289,6 @@ TTFT_ROWS = {
 
 def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[str, Any]:
     table, decode = summarize_rows(engines, TTFT_ROWS, lengths, ("none", "tiercache"))
-    # Ratios taken inside one engine, prompt by prompt (robust to other load on the
-    # machine): a lower-tier hit against the CPU hit of the same prompt right after.
-    paired, over = {}, {}
-    for eng in ("tiercache_disk", "tiercache_s3"):
-        first, second = results_by(engines, eng, "hit"), results_by(engines, eng, "hit2")
-        keys = {n: [k for k in sorted(first) if k[0] == n and k in second] for n in lengths}
-        paired[eng] = {n: median([ttft(first[k]) / ttft(second[k]) for k in keys[n]]) for n in lengths}
-        over[eng] = {n: median([ttft(first[k]) - ttft(second[k]) for k in keys[n]]) for n in lengths}
     return {
         "machine": machine(),
         "args": vars(args),
@@ -305,24 +305,17 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
             for k, v in engines.items()
         },
         "raw": engines,
-        "paired_lower_tier_vs_cpu_hit": paired,
-        "paired_lower_tier_extra_seconds": over,
+        "paired_lower_tier": {eng: paired_hits(engines, eng, lengths) for eng in LOWER_TIERS},
     }
 
 
 def print_ttft(data: dict[str, Any]) -> None:
     print_ttft_table(data)
-    print("lower-tier hit / CPU hit, same engine:", data.get("paired_lower_tier_vs_cpu_hit"))
-    raw, over = data.get("raw_transfers"), data.get("paired_lower_tier_extra_seconds")
-    if raw and over:
-        for eng, floor in (("tiercache_disk", "disk_read_seconds"), ("tiercache_s3", "s3_get_seconds")):
-            longest = data["lengths"][-1]
-            extra = over[eng].get(str(longest), over[eng].get(longest))
-            bare = median(raw[floor])
-            print(
-                f"{eng}: {extra * 1000:.0f} ms over the CPU hit; {raw['blocks']} objects by "
-                f"{floor.replace('_seconds', '')} alone: {bare * 1000:.0f} ms ({extra / bare:.2f}x)"
-            )
+    for eng, paired in data.get("paired_lower_tier", {}).items():
+        what, floor = LOWER_TIERS[eng]
+        print_paired(paired, f"{what} / CPU hit")
+        blocks, seconds = data["raw_transfers"]["blocks"], median(data["raw_transfers"][floor])
+        print(f"   {blocks} objects read by {floor.removesuffix('_seconds')} alone: {seconds * 1000:.0f} ms")
 
 
 @contextlib.contextmanager

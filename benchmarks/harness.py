@@ -348,12 +348,16 @@ def ttft(r: dict) -> float:
 
 
 def summarize_rows(
-    engines: dict[str, Any], rows: dict[str, tuple[str, str]], lengths: list[int], decode_engines
+    engines: dict[str, Any],
+    rows: dict[str, tuple[str, str]],
+    lengths: list[int],
+    decode_engines: tuple[str, ...],
+    reference_engine: str = "none",
 ) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
     """Per table row (engine, request label) and prompt length: the median TTFT, the
     cached tokens, and the largest first-step logprob gap against the cold run of the
-    same prompt in the "none" engine; and the decode rate of each engine's cold runs."""
-    reference = results_by(engines, "none", "cold")
+    same prompt in `reference_engine`; and the decode rate of each engine's cold runs."""
+    reference = results_by(engines, reference_engine, "cold")
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for row, (eng, label) in rows.items():
         got = results_by(engines, eng, label)
@@ -395,13 +399,13 @@ def decode_rate(r: dict[str, Any]) -> float:
 
 def print_ttft_table(data: dict[str, Any]) -> None:
     """A saved TTFT run as a Markdown table: each row's median TTFT per prompt length,
-    against the cold run and vLLM's prefix-cache hit, with its checks."""
+    against the cold run (the first row) and vLLM's prefix-cache hit, with its checks."""
     lengths = data["lengths"]
 
     def cell(per: dict, n: int) -> dict | None:  # keys are ints in memory, strings once saved
         return per.get(n) or per.get(str(n))
 
-    cold = data["table"]["cold (no connector)"]
+    cold = next(iter(data["table"].values()))
     floor = data["table"].get("vLLM prefix cache hit", {})
     print(
         "\n| run | "
@@ -427,4 +431,5 @@ def print_ttft_table(data: dict[str, Any]) -> None:
         foreign = [x for v in per.values() for x in v.get("foreign_cores") or [] if x is not None]
         load = f"{median(foreign):.2f}" if foreign else "-"
         print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} | {load} |")
-    print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})
+    if data["decode"]:
+        print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})
