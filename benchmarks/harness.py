@@ -229,24 +229,21 @@ def stray_engines() -> list[str]:
 
 
 def foreign_vllm() -> list[str]:
-    """vLLM processes on this machine that are not this run's own: neither its children
-    nor the commands it runs inside (`flock /tmp/tiercache-vllm.lock ...` names vLLM
-    too), nor a `flock` waiting for that lock, which uses no core."""
+    """vLLM processes on this machine that this run did not start: engines (their
+    VLLM::EngineCore title, tiercache's engine runner) and servers (`-m vllm.<module>`).
+    Not a command that only names vLLM: `-m 'not vllm'`, a test file, or the engine
+    lock, /tmp/tiercache-vllm.lock, that wrappers queue on (this run's own too)."""
     import psutil
 
     me = psutil.Process()
     ours = {me.pid, *(p.pid for p in me.children(recursive=True)), *(p.pid for p in me.parents())}
-    # vLLM's modules and its engine process's title; not a bare "vllm", which pytest's
-    # "-m 'not vllm'" of other people's test runs matches too.
-    pattern = r"vllm\.|vllm_runner|vllm::|api_server"
-    found = subprocess.run(["pgrep", "-afi", pattern], capture_output=True, text=True).stdout
+    pattern = r"vllm::|vllm_runner|api_server|-m vllm\."
+    found = subprocess.run(["pgrep", "-afi", "--", pattern], capture_output=True, text=True).stdout
+    # A zombie (an exited engine process not yet reaped) uses no core.
     return [
         line
         for line in found.splitlines()
-        # A zombie (an exited engine process not yet reaped) uses no core either.
-        if int(line.split()[0]) not in ours
-        and os.path.basename(line.split()[1]) != "flock"
-        and not line.endswith("<defunct>")
+        if int(line.split()[0]) not in ours and not line.endswith("<defunct>")
     ]
 
 
