@@ -72,17 +72,21 @@ def loadavg() -> float:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds a process and its children have used so far (0 once it is gone)."""
+    """CPU seconds a process and its living children have used so far (0 once it is gone)."""
     import psutil
 
-    total = 0.0
     try:
         root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
-            times = proc.cpu_times()
-            total += times.user + times.system
+        tree = [root, *root.children(recursive=True)]
     except psutil.Error:
-        pass
+        return 0.0
+    total = 0.0
+    for proc in tree:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += times.user + times.system
     return total
 
 
