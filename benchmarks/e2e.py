@@ -10,7 +10,7 @@ overhead; the Redis prefix lookup; S3 GET throughput.
     python benchmarks/e2e.py s3hit  --s3-server seaweedfs   (S3 hit / CPU hit, one S3 server)
     python benchmarks/e2e.py plot   (PNGs under docs/img/ from the saved JSON)
 
-Every engine is a fresh vLLM process (tiercache.testing.vllm_runner). Each engine
+Every engine is a fresh vLLM process (tiercache.ops.vllm_runner). Each engine
 first runs unrelated warm-up prompts (the CPU backend's first request pays seconds
 of one-off set-up; a hit path is warmed with a hit too); only later requests are
 measured. Every figure is a median over `--repeats` distinct prompts, and every hit
@@ -73,7 +73,7 @@ STAGED_DISK = {"load_in_forward": False}
 
 
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import connector_config
+    from tiercache.ops.vllm_runner import connector_config
 
     return connector_config({"namespace": NAMESPACE, **extra})
 
@@ -99,7 +99,7 @@ def ttft_runner(args: argparse.Namespace, work: Path, longest: int, partial: Pat
 
 
 def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
@@ -189,7 +189,7 @@ def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
     the warm-ups' uploads, which `ttft` does not wait for). The ratios are
     paired prompt by prompt inside that engine; every hit is checked against the
     storing engine's cold run of the same prompt."""
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
 
     server = s3_server(args)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -473,7 +473,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
     storing into the CPU tier only, CPU + disk, and CPU + disk + S3 (write-through).
     Each engine then runs the same prompts again, storing nothing, for a ratio of
     decode rates taken inside one engine."""
-    from tiercache.testing.vllm_runner import run_engine
+    from tiercache.ops.vllm_runner import run_engine
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
@@ -569,9 +569,9 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
     import redis as redis_lib
 
     from tiercache.config import RedisConfig
-    from tiercache.index import RedisIndex, index_keys, location
-    from tiercache.redis_conn import GuardedRedis
-    from tiercache.testing.servers import RedisServer
+    from tiercache.index.redis_conn import GuardedRedis
+    from tiercache.index.redis_index import RedisIndex, index_keys, location
+    from tiercache.ops.local_stack import RedisServer
 
     server = RedisServer().start()
     try:
@@ -670,9 +670,9 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
 
     from tiercache.config import S3TierConfig
     from tiercache.engine import ObjectShape
-    from tiercache.testing.servers import moto_process
+    from tiercache.ops.local_stack import moto_process
     from tiercache.tiers.cpu import CpuBuffer
-    from tiercache.tiers.s3 import S3Tier, make_client
+    from tiercache.tiers.s3.tier import S3Tier, make_client
 
     # moto in its own process, as a real endpoint would be: the clients measured here
     # do not share its interpreter lock.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercache.presence import PresencePublisher
+from tiercache.index.presence import PresencePublisher
 from tiercache.tiers import CPU, DISK
 
 # vLLM's names for offloaded media (vllm/distributed/kv_events.py MEDIUM_CPU and

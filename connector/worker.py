@@ -17,7 +17,7 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.foreground import OUTPUT_GRACE
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread

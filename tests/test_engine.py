@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-import tiercache.tiers.disk as disk_module
+import tiercache.tiers.disk.tier as disk_module
 from tiercache.config import build_config
 from tiercache.engine import CPU, DISK, S3, LocalTierCache, ObjectShape, TierEngine
-from tiercache.index import RedisIndex
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import RedisIndex
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import TMP_PREFIX
+from tiercache.tiers.disk.tier import TMP_PREFIX
 
 BLOCK = 64 * 1024
 

@@ -10,12 +10,19 @@ import uuid
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, parse_location, runs_key
-from tiercache.leases import Leases, new_token
-from tiercache.s3_gc import flush_namespace, run_gc
+from tiercache.index.leases import Leases, new_token
+from tiercache.index.redis_index import (
+    Deployment,
+    RedisIndex,
+    RunRecord,
+    blocks_key,
+    parse_location,
+    runs_key,
+)
 from tiercache.tiers.format import CorruptObject
-from tiercache.tiers.s3 import S3Tier, make_client
-from tiercache.tiers.s3_runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
+from tiercache.tiers.s3.gc import flush_namespace, run_gc
+from tiercache.tiers.s3.runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
+from tiercache.tiers.s3.tier import S3Tier, make_client
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
@@ -384,7 +391,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
 
     redis.client.flushall()  # no persistence, a failover to an empty replica...
     before = refusals()
-    with caplog.at_level("WARNING", logger="tiercache.s3_gc"):
+    with caplog.at_level("WARNING", logger="tiercache.tiers.s3.gc"):
         report = run_gc(config, now=time.time() + 3600)
     assert report["orphans"]["deleted"] == 0
     assert report["orphans"]["refused"]
@@ -392,7 +399,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
     assert refusals() == before + 1
     assert any("62" in r.getMessage() and "refus" in r.getMessage() for r in caplog.records)
 
-    from tiercache.s3_reindex import reindex
+    from tiercache.tiers.s3.reindex import reindex
 
     rebuilt = reindex(config)
     assert rebuilt["errors"] == []

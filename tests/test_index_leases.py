@@ -17,11 +17,11 @@ from prometheus_client import REGISTRY
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import REGISTRY as REGISTRY_KEY
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, index_keys, runs_key
-from tiercache.keys import KVSpec
-from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.keys import KVSpec
+from tiercache.index.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import REGISTRY as REGISTRY_KEY
+from tiercache.index.redis_index import Deployment, RedisIndex, RunRecord, blocks_key, index_keys, runs_key
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.redis_config import PATIENT

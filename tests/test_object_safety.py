@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from tiercache.config import ConfigError, S3TierConfig, build_config
 from tiercache.engine import DISK, S3, LocalTierCache, ObjectShape, TierEngine
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import CorruptObject, ObjectHeader, checksum, decode_header, sign
-from tiercache.tiers.s3 import S3Tier
-from tiercache.tiers.s3_runs import check_run_bytes
+from tiercache.tiers.s3.runs import check_run_bytes
+from tiercache.tiers.s3.tier import S3Tier
 
 SLOT = 8192
 
@@ -267,7 +267,7 @@ def test_a_mac_covers_the_header_as_well_as_the_pages(tmp_path):
 def test_inspect_checks_the_mac_given_the_key(tmp_path):
     from rich.console import Console
 
-    from tiercache.object_info import inspect_file
+    from tiercache.ops.object_info import inspect_file
 
     tier = DiskTier(tmp_path, 1 << 20)
     signed, unsigned, data = new_key(), new_key(), payload(6)
@@ -362,7 +362,7 @@ def test_the_key_stays_out_of_repr_config_check_and_errors(tmp_path, capsys):
     path.write_text(f"integrity_key: {KEY}\n")
     from typer.testing import CliRunner
 
-    from tiercache.cli import app
+    from tiercache.ops.cli import app
 
     for args in (["config", "check", str(path)], ["config", "check", str(path), "--json"]):
         result = CliRunner().invoke(app, args)

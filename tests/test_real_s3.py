@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError
 
 from tiercache.config import S3TierConfig
 from tiercache.tiers.format import ObjectHeader, checksum
-from tiercache.tiers.s3 import Fetch, S3Tier
+from tiercache.tiers.s3.tier import Fetch, S3Tier
 
 SLOT = 8192
 

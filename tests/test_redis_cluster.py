@@ -14,9 +14,9 @@ from redis.cluster import key_slot
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import Deployment, RedisIndex, index_keys
-from tiercache.leases import Claim, Leases, new_token
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.leases import Claim, Leases, new_token
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import Deployment, RedisIndex, index_keys
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.faults import RedisClusterServers, block_payload

@@ -15,13 +15,13 @@ from pydantic import SecretStr
 
 from tiercache.config import ConfigError, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key
-from tiercache.leases import Leases, new_token
-from tiercache.run_packer import RunPacker
-from tiercache.s3_gc import run_gc
-from tiercache.s3_reindex import reindex
+from tiercache.index.leases import Leases, new_token
+from tiercache.index.redis_index import Deployment, RedisIndex, RunRecord, blocks_key
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.s3_runs import SPREAD_HEX, parse_run_name
+from tiercache.tiers.s3.gc import run_gc
+from tiercache.tiers.s3.reindex import reindex
+from tiercache.tiers.s3.run_packer import RunPacker
+from tiercache.tiers.s3.runs import SPREAD_HEX, parse_run_name
 
 BLOCK = 16 * 1024
 INTEGRITY_KEY = "k" * 40
@@ -360,7 +360,7 @@ def test_the_packer_ships_consecutive_runs_ended_groups_and_late_ones():
 
 
 def test_a_long_stretch_of_large_blocks_goes_as_parallel_ranged_gets(engines, monkeypatch):
-    import tiercache.s3_reader as s3_reader
+    import tiercache.tiers.s3.reader as s3_reader
 
     engine = engines(pack=16)
     store(engine, 12, 16)

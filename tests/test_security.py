@@ -19,18 +19,18 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tiercache import service
 from tiercache.config import ConfigError, RedisConfig, S3TierConfig, TierCacheConfig, build_config, redact_url
-from tiercache.index import RedisIndex
-from tiercache.keys import HEX_KEY, split_key
-from tiercache.leases import Claim, Leases, new_token
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.service import admin as admin_routes
-from tiercache.service import auth
-from tiercache.service import cache as cache_routes
-from tiercache.tiers.disk import DiskTier
+from tiercache.index.keys import HEX_KEY, split_key
+from tiercache.index.leases import Claim, Leases, new_token
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import RedisIndex
+from tiercache.ops import service
+from tiercache.ops.service import admin as admin_routes
+from tiercache.ops.service import auth
+from tiercache.ops.service import cache as cache_routes
+from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import ObjectHeader, checksum
-from tiercache.tiers.s3 import S3Tier
+from tiercache.tiers.s3.tier import S3Tier
 
 from support.faults import TlsRedisServer
 
@@ -332,7 +332,7 @@ def test_serve_takes_its_lookup_tokens_from_files(tmp_path, redis_url):
     import urllib.error
     import urllib.request
 
-    from tiercache.testing.servers import free_port
+    from tiercache.ops.local_stack import free_port
 
     (tmp_path / "router").write_text("router-token-" + uuid.uuid4().hex + "\n")
     (tmp_path / "namespaces").mkdir()
@@ -347,7 +347,7 @@ def test_serve_takes_its_lookup_tokens_from_files(tmp_path, redis_url):
     }
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tiercache.cli", "serve", "--config", str(config), "--port", str(port)],
+        [sys.executable, "-m", "tiercache.ops.cli", "serve", "--config", str(config), "--port", str(port)],
         env=environ,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -404,7 +404,7 @@ def test_integrity_key_from_a_file(tmp_path):
 
 
 def test_compose_secrets_are_generated_once_and_the_environment_wins(tmp_path):
-    from tiercache.service.generate_secrets import generate
+    from tiercache.ops.service.generate_secrets import generate
 
     service_dir, vllm_dir = tmp_path / "service", tmp_path / "vllm"
     generate(service_dir, vllm_dir, environ={})
@@ -426,7 +426,7 @@ def test_compose_secrets_are_generated_once_and_the_environment_wins(tmp_path):
 
 @pytest.fixture(scope="module")
 def api_app(redis_url, s3_endpoint, tmp_path_factory):
-    from tiercache.testing.servers import create_bucket
+    from tiercache.ops.local_stack import create_bucket
 
     create_bucket(s3_endpoint, "tc-sec-api")
     config = build_config(

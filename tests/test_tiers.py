@@ -22,12 +22,12 @@ from prometheus_client import REGISTRY
 from safetensors import safe_open
 
 from tiercache.config import S3TierConfig
-from tiercache.keys import split_key
+from tiercache.index.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk import SUFFIX, TMP_PREFIX, DiskTier
-from tiercache.tiers.disk_index import INDEX_DIR
+from tiercache.tiers.disk.index import INDEX_DIR
+from tiercache.tiers.disk.tier import SUFFIX, TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
-from tiercache.tiers.s3 import ObjectBody, S3Tier
+from tiercache.tiers.s3.tier import ObjectBody, S3Tier
 
 from support.faults import TcpProxy
 
@@ -233,7 +233,7 @@ def test_disk_o_direct_round_trip(tmp_path):
 def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
     import errno
 
-    import tiercache.tiers.disk as disk_module
+    import tiercache.tiers.disk.tier as disk_module
 
     def no_space(fd, *parts, pace=None):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -416,7 +416,7 @@ _FILLER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk.tier import DiskTier
     from tiercache.tiers.format import ObjectHeader, checksum
 
     root, digest, capacity, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -491,7 +491,7 @@ _SLOW_WRITER = textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
-    import tiercache.tiers.disk as disk
+    import tiercache.tiers.disk.tier as disk
     from tiercache.tiers.format import ObjectHeader, checksum
 
     root, digest = sys.argv[1], sys.argv[2]

@@ -18,23 +18,23 @@ from pathlib import Path
 
 from tiercache.config import TierCacheConfig
 from tiercache.foreground import ForegroundGate
-from tiercache.index import Deployment, RedisIndex
-from tiercache.leases import Leases
+from tiercache.index.leases import Leases
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.run_packer import RunPacker
-from tiercache.s3_reader import S3Reader
-from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
-from tiercache.tiers.disk import DiskPages, DiskTier
+from tiercache.tiers.disk.tier import DiskPages, DiskTier
 from tiercache.tiers.format import ObjectHeader
-from tiercache.tiers.s3 import S3Tier
-from tiercache.uploader import UploadProcess, UploadSetup
+from tiercache.tiers.s3.reader import S3Reader
+from tiercache.tiers.s3.run_packer import RunPacker
+from tiercache.tiers.s3.tier import S3Tier
+from tiercache.tiers.s3.uploader import UploadProcess, UploadSetup
+from tiercache.tiers.s3.writer import S3Writer
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class TierEngine:
 
     def read_s3(self, blocks: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Read consecutive blocks of a prefix from S3 into their buffers, verified, with
-        one ranged GET per run they lie in (s3_reader.py). Per block, whether it came."""
+        one ranged GET per run they lie in (tiers/s3/reader.py). Per block, whether it came."""
         if self.s3_reader is None:
             return [False] * len(blocks)
         return self.s3_reader.read(blocks)
