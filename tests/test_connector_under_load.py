@@ -12,6 +12,7 @@ from tiercache.connector.stats import STORES_DROPPED, GaugeReport, TierCacheProm
 from tiercache.index.keys import KVSpec
 
 from support.scheduler_steps import blocks_of, report, scheduler_output
+from support.single_blocks import add_block
 
 BLOCK = 32
 PAGE = 4096
@@ -155,7 +156,7 @@ def test_a_waiting_request_reuses_its_s3_lookup_but_never_a_stale_hit(redis_url,
     blocks = [bytes(h) for h in req.block_hashes]
     sched.policy.stored_on_disk(blocks[0])
     for block in blocks[1:]:
-        RedisIndex(redis).add(sched.model_digest, sched.rank_digests[0], block)
+        add_block(RedisIndex(redis), sched.model_digest, sched.rank_digests[0], block)
     asked = []
     longest_prefix = sched.s3_index.longest_prefix
     sched.s3_index.longest_prefix = lambda *args: asked.append(args) or longest_prefix(*args)

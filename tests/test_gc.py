@@ -24,6 +24,8 @@ from tiercache.tiers.s3.gc import flush_namespace, run_gc
 from tiercache.tiers.s3.runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
 from tiercache.tiers.s3.tier import S3Tier, make_client
 
+from support.single_blocks import acquire_read, release_read
+
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
 
@@ -191,7 +193,7 @@ def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, real_s3_endp
     leases = Leases(redis, read_ttl=60)
     rank = dep.rank_digests[0]
     token = new_token()
-    assert leases.acquire_read(dep.model_digest, rank, hashes[0], token)  # the oldest
+    assert acquire_read(leases, dep.model_digest, rank, hashes[0], token)  # the oldest
 
     report = run_gc(config)
 
@@ -202,7 +204,7 @@ def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, real_s3_endp
     assert indexed(redis, dep) == {hashes[0], hashes[4]}
 
     # Once the lease is released it is the oldest, and goes on the next pass.
-    leases.release_read(dep.model_digest, rank, hashes[0], token)
+    release_read(leases, dep.model_digest, rank, hashes[0], token)
     config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
     run_gc(config)
     assert indexed(redis, dep) == {hashes[4]}
@@ -215,7 +217,7 @@ def test_gc_with_every_victim_leased_stops(redis, redis_url, real_s3_endpoint, r
     dep = store(config, hashes)
     leases = Leases(redis, read_ttl=60)
     for h in hashes:
-        assert leases.acquire_read(dep.model_digest, dep.rank_digests[0], h, new_token())
+        assert acquire_read(leases, dep.model_digest, dep.rank_digests[0], h, new_token())
 
     report = run_gc(config)
 
@@ -325,7 +327,7 @@ def test_flush_namespace_drops_index_then_objects(redis, redis_url, real_s3_endp
     leases = Leases(redis, read_ttl=60)
     token = new_token()
     rank0 = dep.rank_digests[0]
-    assert leases.acquire_read(dep.model_digest, rank0, mine[0], token)
+    assert acquire_read(leases, dep.model_digest, rank0, mine[0], token)
     assert len(s3_keys(config)) == 10
     disk_root = tmp_path / "disk"
     assert len(list(disk_root.glob("*/*/*.safetensors"))) == 10
@@ -345,7 +347,7 @@ def test_flush_namespace_drops_index_then_objects(redis, redis_url, real_s3_endp
     assert len(list(disk_root.glob("*/*/*.safetensors"))) == 2
 
     # The leased object goes with the sweep once it is old enough.
-    leases.release_read(dep.model_digest, rank0, mine[0], token)
+    release_read(leases, dep.model_digest, rank0, mine[0], token)
     run_gc(config, now=time.time() + 3600)
     assert s3_keys(config) == {key_of(other, h) for h in theirs}
 

@@ -279,7 +279,9 @@ def test_orphan_runs_are_swept_and_old_per_block_objects_reclaimed(engines):
     model, rank = engine.shape.model_digest, engine.shape.rank_digest
     # An older tiercache's per-block object and index: never read, reclaimed by GC.
     header = engine.shape.header(block(11, 9), memoryview(data(11, 9)))
-    assert engine.s3.put(header.key, memoryview(data(11, 9)), header)
+    old_object = engine.s3.object_name(header.key)
+    engine.s3.client.put_object(Bucket=engine.s3.bucket, Key=old_object, Body=header.encode() + data(11, 9))
+    assert [key for key, _, _ in engine.s3.list_objects()] == [header.key]
     engine.redis.client.zadd(f"tc:{{{model}}}:idx:{rank}", {block(11, 9): 1.0})
     report = run_gc(engine.config, redis=engine.redis, s3=engine.s3, now=time.time() + 3600)
     assert report["orphans"]["legacy_deleted"] == 1

@@ -26,7 +26,6 @@ from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers import CPU, DISK, S3
-from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
 from tiercache.tiers.disk.tier import DiskPages, DiskTier
 from tiercache.tiers.format import ObjectHeader
@@ -157,7 +156,7 @@ class TierEngine:
                 self.uploads.pace = self.foreground.wait
         # The object tiers this engine has, fastest first, and how each is read: the
         # disk directly, S3 under a read lease that keeps GC off the object.
-        self.lower: dict[str, ObjectTier] = {
+        self.lower: dict[str, DiskTier | S3Tier] = {
             tier.name: tier for tier in (self.disk, self.s3) if tier is not None
         }
         self._readers = {DISK: self._read_disk, S3: self._download}
@@ -193,7 +192,7 @@ class TierEngine:
         self._s3_stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage-s3")
         # A request waits on its disk reads, so they run in parallel on any core, at
         # normal priority: one thread on the model's core was the slower choice
-        # (docs/architecture.md, "Threads and cores", has the figures).
+        # (docs/design.md, "Threads and cores", has the figures).
         self._disk_readers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-disk-read", initializer=any_cpu_thread
         )

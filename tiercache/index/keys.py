@@ -10,7 +10,6 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import SupportsBytes
 
 HEX_KEY = re.compile(r"^[0-9a-f]{16}/[0-9a-f]{16,128}$")
 
@@ -97,16 +96,6 @@ def weights_fingerprint(directory: str | Path) -> str | None:
     if not config and not entries:
         return None
     return _digest({"config": hashlib.sha256(config).hexdigest(), "files": entries})
-
-
-def block_hash_hex(block_hash: bytes | SupportsBytes) -> str:
-    """vLLM's BlockHash is bytes; older builds wrapped it. Either way, hex it."""
-    raw = block_hash if isinstance(block_hash, (bytes, bytearray)) else bytes(block_hash)
-    return raw.hex()
-
-
-def object_key(rank_digest: str, block_hash_hex_value: str) -> str:
-    return f"{rank_digest}/{block_hash_hex_value}"
 
 
 def split_key(key: str) -> tuple[str, str]:

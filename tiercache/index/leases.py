@@ -11,7 +11,7 @@ they are, and only while they are indexed; GC unindexes a run only when no read
 lease on it is live, both atomically in Redis: a reader either holds a lease on an
 object that stays, or gets a miss.
 
-Tokens make sure only the holder releases or renews; TTLs free what a dead holder kept.
+Tokens make sure only the holder releases; TTLs free what a dead holder kept.
 Keys a script reaches beyond its KEYS (a run's read lease, named from the index) are
 in the same hash tag, so in the same Redis Cluster slot.
 """
@@ -70,11 +70,6 @@ for _, key in ipairs(KEYS) do
   if redis.call('GET', key) == ARGV[1] then n = n + redis.call('DEL', key) end
 end
 return n
-"""
-# KEYS: lease. ARGV: token, ttl_ms
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
 """
 # KEYS: block hash, run records. ARGV: token, now_ms, ttl_ms, width, blocks, lease
 # key prefix (the run's hex follows it). For the leading blocks that are indexed:
@@ -193,9 +188,6 @@ class Leases:
             LEASE_CONFLICTS.inc()
         return claims
 
-    def claim_write(self, model: str, rank: str, block: bytes, token: str) -> Claim:
-        return self.claim_blocks(model, rank, [block], token)[0]
-
     def publish_run(self, model: str, rank: str, run_id: bytes, record: RunRecord, token: str) -> None:
         """Index every block of the uploaded run, its record and its last access, and
         release the writer's leases on its blocks, atomically."""
@@ -208,20 +200,9 @@ class Leases:
         args = [repr(time.time()), token, run_id, record.encode(), len(blocks[0]), b"".join(blocks), *locs]
         self._run("publish", _PUBLISH, keys, args)
 
-    def publish(self, model: str, rank: str, block: bytes, token: str) -> None:
-        """Index one block as a run of its own (tools and tests; writers publish runs)."""
-        self.publish_run(model, rank, block[:RUN_ID_BYTES], RunRecord(0, 0, 0, (block,)), token)
-
     def release_writes(self, model: str, rank: str, blocks: Sequence[bytes], token: str) -> int:
         keys = [write_lease_key(model, rank, b.hex()) for b in blocks]
         return int(self._run("release", _RELEASE, keys, [token])) if keys else 0
-
-    def release_write(self, model: str, rank: str, block: bytes, token: str) -> bool:
-        return bool(self.release_writes(model, rank, [block], token))
-
-    def renew_write(self, model: str, rank: str, block: bytes, token: str) -> bool:
-        key = write_lease_key(model, rank, block.hex())
-        return bool(self._run("renew", _RENEW, [key], [token, self.write_ttl_ms]))
 
     # -- readers ----------------------------------------------------------------------
     def acquire_read_blocks(
@@ -254,32 +235,12 @@ class Leases:
         if keys:
             self._run("read_release", _READ_RELEASE, keys, [token])
 
-    def acquire_read(self, model: str, rank: str, block: bytes, token: str) -> bool:
-        """True while the block is indexed (and its run now protected from GC)."""
-        found, _ = self.acquire_read_blocks(model, rank, [block], token)
-        return bool(found)
-
-    def release_read(self, model: str, rank: str, block: bytes, token: str) -> None:
-        """Release the lease acquire_read took on the block's run (found again by the
-        block: if it was unindexed meanwhile the lease simply expires)."""
-        raw = self.redis.call("locate", lambda: self.redis.client.hget(blocks_key(model, rank), block))
-        if raw:
-            self.release_runs(model, rank, [parse_location(raw)[0]], token)
-
     # -- GC ---------------------------------------------------------------------------
     def gc_unindex_run(self, model: str, rank: str, run_id: bytes) -> int:
         """Unindex a whole run unless it is read-leased: the blocks removed (>= 0), -1
         leased (it stays), -2 not indexed (someone else removed it)."""
         keys = [*index_keys(model, rank), read_lease_key(model, rank, run_id.hex())]
         return int(self._run("gc", _GC_UNINDEX, keys, [run_id, int(time.time() * 1000)]))
-
-    def gc_unindex(self, model: str, rank: str, block: bytes) -> int:
-        """Unindex the run holding `block`: 1 removed, 0 leased, -1 absent."""
-        raw = self.redis.call("locate", lambda: self.redis.client.hget(blocks_key(model, rank), block))
-        if not raw:
-            return -1
-        outcome = self.gc_unindex_run(model, rank, parse_location(raw)[0])
-        return {-1: 0, -2: -1}.get(outcome, 1)
 
 
 _CLAIMS = {"a": Claim.ACQUIRED, "p": Claim.PRESENT, "h": Claim.HELD}

@@ -241,11 +241,6 @@ class RedisIndex:
             LOOKUP_HITS.labels("s3").inc(found)
         return found
 
-    def add(self, model_digest: str, rank_digest: str, block_hash: bytes) -> None:
-        """Index one block as a run of its own (run id: its hash's first 8 bytes); for
-        tools and tests. Writers publish whole runs (leases.Leases.publish_run)."""
-        self.add_run(model_digest, rank_digest, block_hash[:RUN_ID_BYTES], RunRecord(0, 0, 0, (block_hash,)))
-
     def add_run(
         self, model_digest: str, rank_digest: str, run_id: bytes, record: RunRecord, when: float | None = None
     ) -> None:

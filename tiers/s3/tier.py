@@ -19,15 +19,7 @@ from tiercache.config import S3TierConfig
 from tiercache.index.keys import split_key
 from tiercache.metrics import S3_BYTES, S3_REQUESTS, TIER_ERRORS, timed
 from tiercache.tiers import S3
-from tiercache.tiers.format import (
-    CorruptObject,
-    ObjectHeader,
-    PageShape,
-    check_header,
-    decode_header,
-    header_length,
-    verify,
-)
+from tiercache.tiers.format import CorruptObject, PageShape, header_length
 from tiercache.tiers.s3.runs import (
     FrameWant,
     RunGeometry,
@@ -125,65 +117,6 @@ class S3Tier:
         except ValueError:
             return None
         return key
-
-    def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
-        """One PUT (atomic: readers see the whole object or none). False on failure.
-        `data` must not change until it returns: the body is sent from it."""
-        body = ObjectBody(header.encode(), data, pace=self.pace)
-        try:
-            with timed(TIER, "put", len(data)):
-                self.client.put_object(Bucket=self.bucket, Key=self.object_name(key), Body=body)
-            S3_BYTES.labels("up").inc(len(body))
-            return True
-        except (BotoCoreError, ClientError) as error:
-            TIER_ERRORS.labels(TIER, _kind(error)).inc()
-            log.warning("s3 tier: dropped store of %s: %s", key, _describe(error))
-            return False
-
-    def get_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> bool:
-        """GET one object straight into `out` and verify it (and, given `expect`,
-        that it holds the reader's layers and shapes). Missing, unreachable or
-        corrupt: False (a corrupt or mismatched object is deleted and counted)."""
-        return self.fetch_into(key, out, expect) is Fetch.OK
-
-    def fetch_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> Fetch:
-        """GET one object straight into `out` and verify it, saying what was found
-        (see Fetch). A corrupt or mismatched object is deleted and counted."""
-        try:
-            with timed(TIER, "get", len(out)):
-                response = self.client.get_object(Bucket=self.bucket, Key=self.object_name(key))
-                stream = response["Body"]
-                try:
-                    prefix = _read_exact(stream, 8)
-                    header = decode_header(_read_exact(stream, header_length(prefix)))
-                    check_header(header, key, len(out))
-                    if expect is not None:
-                        expect.check(header)
-                    _read_into(stream, out)
-                finally:
-                    stream.close()
-                verify(header, out, self.integrity_key)
-            S3_BYTES.labels("down").inc(len(out))
-            return Fetch.OK
-        except ClientError as error:
-            if _code(error) in _MISSING:
-                return Fetch.MISSING
-            TIER_ERRORS.labels(TIER, _kind(error)).inc()
-            log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
-            return Fetch.UNAVAILABLE
-        except BotoCoreError as error:
-            TIER_ERRORS.labels(TIER, _kind(error)).inc()
-            log.warning("s3 tier: get of %s failed: %s", key, _describe(error))
-            return Fetch.UNAVAILABLE
-        except CorruptObject as error:
-            TIER_ERRORS.labels(TIER, "corrupt").inc()
-            log.warning("s3 tier: corrupt object %s removed: %s", key, error)
-            self.delete(key)
-            return Fetch.CORRUPT
-        except OSError as error:  # a connection cut mid-body
-            TIER_ERRORS.labels(TIER, "io").inc()
-            log.warning("s3 tier: get of %s broke off: %s", key, error)
-            return Fetch.UNAVAILABLE
 
     # -- runs: many blocks per object (runs.py) -------------------------------------
     def run_name(self, rank_digest: str, run_hex: str) -> str:
@@ -293,36 +226,10 @@ class S3Tier:
 
     name = TIER
 
-    def contains(self, key: str) -> bool:
-        """Whether the object is in the bucket (one HEAD; False when S3 does not answer)."""
-        try:
-            return self.exists(key)
-        except (BotoCoreError, ClientError):
-            return False
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self.object_name(key))
-            return True
-        except ClientError as error:
-            if _code(error) in _MISSING:
-                return False
-            raise
-
-    def delete(self, key: str) -> bool:
-        try:
-            with timed(TIER, "delete"):
-                self.client.delete_object(Bucket=self.bucket, Key=self.object_name(key))
-            return True
-        except (BotoCoreError, ClientError) as error:
-            TIER_ERRORS.labels(TIER, _kind(error)).inc()
-            log.warning("s3 tier: delete of %s failed: %s", key, _describe(error))
-            return False
-
     def list_objects(self, digest: str | None = None):
         """Yield (key, size, last_modified) for every per-block object under the prefix:
-        what tiercache wrote before runs (issue 18), and what `put` still writes. The
-        tier engine neither writes nor reads them any more: GC reclaims them."""
+        what tiercache wrote before runs (issue 18). Nothing writes or reads them any
+        more: GC reclaims them (legacy.py)."""
         prefix = self.config.prefix + (f"{digest}/" if digest else "")
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
@@ -388,29 +295,6 @@ class ObjectBody:
                 self._position += len(chunk)
                 return chunk
         return b""
-
-
-def _read_exact(stream, n: int) -> bytes:
-    data = stream.read(n)
-    if len(data) != n:
-        raise CorruptObject(f"object truncated: wanted {n} bytes, got {len(data)}")
-    return data
-
-
-def _read_into(stream, out: memoryview) -> None:
-    """Fill `out` from the response body in bounded chunks. Reading through the
-    StreamingBody (not its raw stream) keeps botocore's byte count right, so its
-    content-length check at the end of the body holds."""
-    done = 0
-    while done < len(out):
-        chunk = stream.read(min(len(out) - done, 1 << 20))
-        n = len(chunk)
-        out[done : done + n] = chunk
-        if not n:
-            raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
-        done += n
-    if stream.read(1):
-        raise CorruptObject("object longer than its header says")
 
 
 def _code(error: ClientError) -> str:
