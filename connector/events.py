@@ -104,7 +104,7 @@ class TierEvents:
         if self.presence is not None and group == self._presence_group:
             # Presence lists one group's blocks: for a hybrid model, its first
             # full-attention group's, a router's upper bound of the hit (the
-            # service's lookup API, docs/architecture.md).
+            # service's lookup API, docs/design.md).
             self.presence.update(vllm_hash, tier, stored)
         if self.publish:
             self._changes.append((stored, tier, vllm_hash, group))
