@@ -36,6 +36,7 @@ from tiercache.tiers.disk.tier import DiskLayout
 from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
 from tiercache.tiers.s3.gc import run_gc
 from tiercache.tiers.s3.runs import check_run_bytes, run_object_name
+from tiercache.tiers.s3.tier import Fetch
 
 from support.faults import (
     EngineProcess,
@@ -464,15 +465,14 @@ def test_gc_racing_a_reader_gives_bytes_or_a_miss(redis_url, s3_endpoint, bucket
         "evicted": 0,
         "gc_errors": 0,
     }
-    real_get = reader.s3.get_into
+    real_fetch = reader.s3.fetch_run
 
-    def get_into(key, out):  # called only once a read lease is held
-        ok = real_get(key, out)
-        if not ok:
-            counts["gone_under_lease"] += 1
-        return ok
+    def fetch_run(*args, **kwargs):  # called only once a read lease is held
+        found = real_fetch(*args, **kwargs)
+        counts["gone_under_lease"] += sum(result is not Fetch.OK for result in found)
+        return found
 
-    reader.s3.get_into = get_into
+    reader.s3.fetch_run = fetch_run
 
     def write() -> None:
         for _ in range(200):  # fresh keys: no re-upload races the GC's delete
