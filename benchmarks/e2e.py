@@ -59,7 +59,7 @@ STAGED_DISK = {"load_in_forward": False}
 
 
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import connector_config
+    from tiercache.ops.vllm_runner import connector_config
 
     return connector_config({"namespace": "bench-e2e", **extra})
 
@@ -78,7 +78,7 @@ def every_tier(args: argparse.Namespace, work: Path) -> Iterator[tuple[dict, dic
     signatures and serves ranged GETs from its volumes) on the cores the model does not
     use. Yields the connector config of an engine over every tier, storing to
     `disk-full`; of one that reads through the empty `disk-empty` to S3; the S3 URL."""
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
 
     if args.s3_server not in ("moto", "seaweedfs"):
         raise SystemExit(f"--s3-server {args.s3_server}: ttft and s3hit read back, so moto or seaweedfs")
@@ -328,7 +328,7 @@ def store_services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     cost. Yields the Redis URL and the S3 URL."""
     from s3_sink import running
 
-    from tiercache.testing.servers import RedisServer, local_stack
+    from tiercache.ops.local_stack import RedisServer, local_stack
 
     if args.s3_server not in ("moto", "sink"):
         raise SystemExit(f"--s3-server {args.s3_server}: store writes through to moto or the sink")

@@ -22,7 +22,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 IMG = ROOT / "docs" / "img"
 BLOCK = 32
 VOCAB = 32000
-LOGPROB_TOLERANCE = 0.3
 
 # The model of the issue: 8 layers, hidden 1024, 16 query heads, 8 KV heads of 128,
 # float32 (these CPUs have no native bf16). 64 KiB of KV per token, 2 MiB per block.
@@ -270,7 +269,7 @@ class EngineRunner:
         self.monitor = CpuMonitor()
 
     def run(self, name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
-        from tiercache.testing.vllm_runner import run_engine
+        from tiercache.ops.vllm_runner import run_engine
 
         measured = sum(1 for i in items if "ids" in i and i["name"] != "warm")
         print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {measured} measured requests", flush=True)

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
-    LOGPROB_TOLERANCE,
     MODEL,
     RESULTS,
     Requests,
@@ -78,7 +77,7 @@ class LMCacheServer:
     client needs `--supported-transfer-mode auto`)."""
 
     def __init__(self, logdir: Path, chunk_size: int, l1_size_gb: float, binary: str | None = None):
-        from tiercache.testing.servers import free_port
+        from tiercache.ops.local_stack import free_port
 
         ports: set[int] = set()
         while len(ports) < 3:
@@ -194,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(engines: dict[str, Any], lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    from tiercache.ops.vllm_runner import LOGPROB_TOLERANCE
+
     table, decode = summarize_rows(engines, ROWS, lengths, ("none", "lmcache"))
     checks = []
     for row in HIT_ROWS:

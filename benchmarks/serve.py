@@ -43,6 +43,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The tests' helpers (tests/support/) import as `support.*`.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness import (  # noqa: E402
     IMG,
@@ -55,8 +57,9 @@ from harness import (  # noqa: E402
     versions,
 )
 
-from tiercache.testing.model import write_tiny_llama  # noqa: E402
-from tiercache.testing.serving import (  # noqa: E402
+from tiercache.ops.tiny_model import write_tiny_llama  # noqa: E402
+
+from support.serving import (  # noqa: E402
     EOS,
     VllmServer,
     metric,
@@ -248,7 +251,7 @@ def server_args(args: argparse.Namespace, kv: dict[str, Any] | None) -> list[str
 
 
 def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | None) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import connector_config
+    from tiercache.ops.vllm_runner import connector_config
 
     shutil.rmtree(disk, ignore_errors=True)
     return connector_config(
@@ -281,7 +284,7 @@ def config_services(name: str, args: argparse.Namespace, work: Path):
     elif name == "tiercache_cpu_disk":
         yield tiercache_kv(args, work / "disk-b", None), None, None
     elif name == "tiercache_cpu_disk_s3":
-        from tiercache.testing.servers import local_stack
+        from tiercache.ops.local_stack import local_stack
 
         # On the core vLLM keeps for its scheduler, off the one the model computes on.
         with local_stack("tc-serve", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):

@@ -29,10 +29,10 @@ from urllib.parse import urlparse
 import pytest
 import redis as redis_py
 
-from tiercache.index import REGISTRY, Deployment, blocks_key
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import RedisServer, create_bucket
-from tiercache.testing.vllm_runner import assert_same_output, connector_config
+from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key
+from tiercache.ops.local_stack import RedisServer, create_bucket
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import assert_same_output, connector_config
 
 from support.faults import EngineProcess, TcpProxy
 
