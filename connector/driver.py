@@ -238,7 +238,7 @@ class ConnectorDriver:
             raise ValueError(f"pages: {len(pages)} given for {len(hashes)} blocks")
         with self._lock:
             self._release_held()
-            self.deliver_reports()
+            self._deliver_reports()
             return self._serve(hashes, pages, gpu_blocks, computes)
 
     def _serve(self, hashes, pages, gpu_blocks, computes: bool) -> Served:
@@ -362,6 +362,10 @@ class ConnectorDriver:
     def deliver_reports(self) -> None:
         """Hand the worker's reports since its last step (write-downs ended, slots
         freed, blocks gone from disk) to the scheduler, as the next step would."""
+        with self._lock:
+            self._deliver_reports()
+
+    def _deliver_reports(self) -> None:
         meta = self.worker.take_worker_meta()
         if meta is not None:
             self.scheduler.update_connector_output(_ConnectorOutput(meta))
@@ -385,8 +389,7 @@ class ConnectorDriver:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the write-downs in flight, then report them to the scheduler."""
         flushed = self.engine.flush(timeout)
-        with self._lock:
-            self.deliver_reports()
+        self.deliver_reports()
         return flushed
 
     def close(self) -> None:
