@@ -9,10 +9,11 @@ import time
 import uuid
 
 from tiercache.config import build_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.engine import ObjectShape, TierEngine
 from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, parse_location, runs_key
 from tiercache.leases import Leases, new_token
 from tiercache.s3_gc import flush_namespace, run_gc
+from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.format import CorruptObject
 from tiercache.tiers.s3 import S3Tier, make_client
 from tiercache.tiers.s3_runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
@@ -74,12 +75,12 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama") -> Deploy
     )
     for rank in ranks:
         shape = ObjectShape(model_digest, rank, SLOT)
-        cache = LocalTierCache(config, shape, s3=s3_tier(config), pin_memory=False)
-        cache.engine.register(deployment)
+        engine = TierEngine(config, shape, CpuBuffer(1, SLOT), s3=s3_tier(config))
+        engine.register(deployment)
         for h in hashes:
-            cache.put(h, h * (SLOT // len(h)))
-        assert cache.engine.flush(30)
-        cache.close()
+            engine.write_down(h, None, lambda result: None, data=h * (SLOT // len(h)))
+        assert engine.flush(30)
+        engine.close()
     return deployment
 
 
