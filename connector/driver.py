@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiercache.config import TierCacheConfig
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer, SlotAllocator
 
 from .metadata import TierCacheMetadata

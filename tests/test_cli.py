@@ -19,8 +19,8 @@ import yaml
 
 from tiercache.config import RedisConfig, load_config
 from tiercache.connector.driver import ConnectorDriver
-from tiercache.redis_conn import GuardedRedis
-from tiercache.testing.servers import free_port
+from tiercache.index.redis_conn import GuardedRedis
+from tiercache.ops.local_stack import free_port
 
 SLOT = 4096
 TIERCACHE = Path(sys.executable).with_name("tiercache")
