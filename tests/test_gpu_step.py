@@ -6,6 +6,10 @@ event, polled in later hooks, and never for the host."""
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -225,3 +229,43 @@ def test_a_preempted_storing_request_fences_the_next_forward_instead_of_keeping_
     assert meta.fence_stores
     assert sched.request_finished(req) == (False, None)  # its copies are fenced already
     assert not sched.build_connector_meta(scheduler_output()).fence_stores
+
+
+# -- benchmarks/gpu_step.py ------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_step_benchmark_runs_both_variants_on_the_cpu_backend(tmp_path):
+    """What a lent GPU runs (8, 32 and 80 layers x batch 1, 8 and 64), here tiny: every
+    (layers, batch) with and without host waits, each replay reading every block right."""
+    out = tmp_path / "gpu_step.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--device", "cpu"]
+    command += [
+        "--layers",
+        "2",
+        "3",
+        "--batches",
+        "1",
+        "2",
+        "--repeats",
+        "1",
+        "--heads",
+        "2",
+        "--head-size",
+        "8",
+    ]
+    done = subprocess.run(command + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(run["layers"], run["batch"], run["variant"]): run for run in report["runs"]}
+    assert set(rows) == {
+        (layers, batch, variant) for layers in (2, 3) for batch in (1, 2) for variant in ("waits", "events")
+    }
+    steps = report["steps_per_run"]
+    for (layers, batch, _), run in rows.items():
+        assert set(run) >= {"hook_ms_per_step", "syncs_per_step", "step_ms"}
+        # Every decode and hit step reads every stored block at every layer.
+        assert run["reads_checked"] == layers * 2 * batch * (steps - 1)
+        assert run["syncs_per_step"] == 0  # the CPU backend has no stream to wait for
+    lines = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["2"], ["3"])]
+    assert len(lines) == 8 and all(len(line) == 6 for line in lines)

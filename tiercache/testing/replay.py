@@ -117,6 +117,7 @@ class ReplayResult:
     sync_sites: Counter = field(default_factory=Counter)  # the call stack of each, innermost last
     hook_waits: Counter = field(default_factory=Counter)  # hook -> explicit host waits (sync.host_wait)
     hook_seconds: Counter = field(default_factory=Counter)  # hook -> host time spent in it
+    step_seconds: list[float] = field(default_factory=list)  # each step, bind to its worker metadata
 
 
 class _GatedStaging:
@@ -343,6 +344,7 @@ class Replay:
         staging: _GatedStaging | None = None
         deferred_start = False
         in_forward = False
+        step_started = time.perf_counter()
         self._real_host_wait = sync.host_wait
         sync.host_wait = self._host_wait  # type: ignore[assignment]  # counted, see _host_wait
         try:
@@ -358,6 +360,7 @@ class Replay:
                     meta = decode_meta(call[1])
                     step = self.schedule[call[1]["step"]]
                     self._step_number = step["step"]
+                    step_started = time.perf_counter()
                     with self._in_hook("bind_connector_metadata"):
                         worker.forward_begins(meta)  # as the connector does when vLLM binds
                     in_forward = False
@@ -408,6 +411,7 @@ class Replay:
                 elif name == "build_connector_worker_meta":
                     with self._in_hook(name):
                         worker_meta = worker.take_worker_meta()
+                    self.result.step_seconds.append(time.perf_counter() - step_started)
                     hits = dict(worker_meta.hits) if worker_meta is not None else {}
                     recorded_hits = {k: v for k, v in (call[2] or {}).items() if v}
                     assert {k: v for k, v in hits.items() if v} == recorded_hits, (step["step"], hits)
