@@ -46,5 +46,5 @@ def full_graphs(vllm_config: Any) -> FullGraphs | None:
     return FullGraphs(
         decode_query_len=1 + int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
         any_batch=mode.mixed_mode() == CUDAGraphMode.FULL,
-        max_tokens=compilation.max_cudagraph_capture_size or sys.maxsize,
+        max_tokens=getattr(compilation, "max_cudagraph_capture_size", None) or sys.maxsize,
     )

@@ -116,7 +116,7 @@ class ReplayResult:
     hook_syncs: Counter = field(default_factory=Counter)  # per-layer hook -> host synchronisations (CUDA)
     sync_sites: Counter = field(default_factory=Counter)  # the call stack of each, innermost last
     hook_waits: Counter = field(default_factory=Counter)  # hook -> explicit host waits (sync.host_wait)
-    hook_seconds: Counter = field(default_factory=Counter)  # hook -> host time spent in it
+    hook_seconds: dict[str, float] = field(default_factory=dict)  # hook -> host time spent in it
     step_seconds: list[float] = field(default_factory=list)  # each step, bind to its worker metadata
 
 
@@ -279,7 +279,8 @@ class Replay:
         try:
             yield
         finally:
-            self.result.hook_seconds[hook] += time.perf_counter() - started
+            seconds = self.result.hook_seconds
+            seconds[hook] = seconds.get(hook, 0.0) + time.perf_counter() - started
             self._hook = None
 
     def _host_wait(self, target: Any) -> None:
@@ -346,7 +347,7 @@ class Replay:
         in_forward = False
         step_started = time.perf_counter()
         self._real_host_wait = sync.host_wait
-        sync.host_wait = self._host_wait  # type: ignore[assignment]  # counted, see _host_wait
+        sync.host_wait = self._host_wait  # counted, see _host_wait
         try:
             for call in self.calls:
                 name = call[0]
@@ -432,7 +433,7 @@ class Replay:
         finally:
             if self.result.calls["shutdown"] == 0:
                 worker.shutdown()
-            sync.host_wait = self._real_host_wait  # type: ignore[assignment]
+            sync.host_wait = self._real_host_wait
         # Copies still in flight at the end were settled at shutdown: their reports too.
         last = worker.take_worker_meta()
         if last is not None:
