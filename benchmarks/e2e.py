@@ -10,7 +10,7 @@ overhead; the Redis prefix lookup; S3 GET throughput.
     python benchmarks/e2e.py s3hit  --s3-server seaweedfs   (S3 hit / CPU hit, one S3 server)
     python benchmarks/e2e.py plot   (PNGs under docs/img/ from the saved JSON)
 
-Every engine is a fresh vLLM process (tiercache.testing.vllm_runner). Each engine
+Every engine is a fresh vLLM process (tiercache.ops.vllm_runner). Each engine
 first runs unrelated warm-up prompts (the CPU backend's first request pays seconds
 of one-off set-up; a hit path is warmed with a hit too); only later requests are
 measured. Every figure is a median over `--repeats` distinct prompts, and every hit
@@ -73,7 +73,7 @@ STAGED_DISK = {"load_in_forward": False}
 
 
 def tiercache_kv(extra: dict[str, Any]) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import connector_config
+    from tiercache.ops.vllm_runner import connector_config
 
     return connector_config({"namespace": NAMESPACE, **extra})
 
@@ -99,7 +99,7 @@ def ttft_runner(args: argparse.Namespace, work: Path, longest: int, partial: Pat
 
 
 def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
@@ -189,7 +189,7 @@ def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
     the warm-ups' uploads, which `ttft` does not wait for). The ratios are
     paired prompt by prompt inside that engine; every hit is checked against the
     storing engine's cold run of the same prompt."""
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
 
     server = s3_server(args)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -473,7 +473,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
     storing into the CPU tier only, CPU + disk, and CPU + disk + S3 (write-through).
     Each engine then runs the same prompts again, storing nothing, for a ratio of
     decode rates taken inside one engine."""
-    from tiercache.testing.vllm_runner import run_engine
+    from tiercache.ops.vllm_runner import run_engine
 
     lengths = [int(x) for x in args.lengths.split(",")]
     work = Path(args.workdir).resolve()
@@ -569,9 +569,9 @@ def run_lookup(args: argparse.Namespace) -> dict[str, Any]:
     import redis as redis_lib
 
     from tiercache.config import RedisConfig
-    from tiercache.index import RedisIndex, index_keys, location
-    from tiercache.redis_conn import GuardedRedis
-    from tiercache.testing.servers import RedisServer
+    from tiercache.index.redis_conn import GuardedRedis
+    from tiercache.index.redis_index import RedisIndex, index_keys, location
+    from tiercache.ops.local_stack import RedisServer
 
     server = RedisServer().start()
     try:
@@ -670,9 +670,11 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
 
     from tiercache.config import S3TierConfig
     from tiercache.engine import ObjectShape
-    from tiercache.testing.servers import moto_process
+    from tiercache.index.redis_index import RUN_ID_BYTES
+    from tiercache.ops.local_stack import moto_process
     from tiercache.tiers.cpu import CpuBuffer
-    from tiercache.tiers.s3 import S3Tier, make_client
+    from tiercache.tiers.s3.runs import FrameWant, RunGeometry, RunHeader, frame_header_bytes, run_parts
+    from tiercache.tiers.s3.tier import Fetch, S3Tier, make_client
 
     # moto in its own process, as a real endpoint would be: the clients measured here
     # do not share its interpreter lock.
@@ -682,13 +684,20 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
         shape = ObjectShape("c" * 16, "d" * 16, size)
         writer = S3Tier(S3TierConfig(bucket="bench", endpoint_url=url, max_concurrency=8))
         rng = np.random.default_rng(0)
-        keys = []
+        # Each object a run of one block, read the way the engine reads runs: one
+        # ranged GET of the block's frame, verified.
+        runs = []
         for i in range(count):
             block = i.to_bytes(32, "big")
             data = memoryview(rng.integers(0, 255, size, dtype=np.uint8).tobytes())
             header = shape.header(block, data)
-            assert writer.put(header.key, data, header)
-            keys.append(header.key)
+            run_hex = os.urandom(RUN_ID_BYTES).hex()
+            provisional = RunGeometry(0, frame_header_bytes([header]), size)
+            toc = RunHeader(run_hex, shape.rank_digest, (block,), provisional)
+            parts = run_parts(toc, [(header, data)])
+            assert writer.put_run(shape.rank_digest, run_hex, parts)
+            geometry = RunGeometry(len(parts[0]), provisional.frame_header, size)
+            runs.append((header.key, run_hex, geometry))
         result: dict[str, Any] = {"object_bytes": size, "objects": count, "by_concurrency": {}}
         buffer = CpuBuffer(count, size, pin_memory=False)
         for conc in (1, 4, 16, 32):
@@ -697,11 +706,14 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
             client = make_client(config)  # the same client settings for the baseline
 
             def tier_get(i: int, tier=tier) -> int:
-                assert tier.get_into(keys[i], buffer.view(i))
+                key, run_hex, geometry = runs[i]
+                want = FrameWant(0, key, buffer.view(i))
+                assert tier.fetch_run(shape.rank_digest, run_hex, geometry, [want]) == [Fetch.OK]
                 return size
 
             def raw_get(i: int, client=client) -> int:
-                body = client.get_object(Bucket="bench", Key=writer.object_name(keys[i]))["Body"].read()
+                name = writer.run_name(shape.rank_digest, runs[i][1])
+                body = client.get_object(Bucket="bench", Key=name)["Body"].read()
                 return len(body)
 
             def rate(fn, conc=conc) -> float:
@@ -807,9 +819,8 @@ def plot(args: argparse.Namespace) -> None:
         data = json.loads(s3_file.read_text())
         xs = sorted(int(k) for k in data["by_concurrency"])
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(
-            xs, [data["by_concurrency"][str(x)]["tiercache_mib_s"] for x in xs], "o-", label="S3Tier.get_into"
-        )
+        tiercache_rates = [data["by_concurrency"][str(x)]["tiercache_mib_s"] for x in xs]
+        ax.plot(xs, tiercache_rates, "o-", label="S3Tier.fetch_run")
         ax.plot(
             xs,
             [data["by_concurrency"][str(x)]["boto3_mib_s"] for x in xs],

@@ -1,6 +1,6 @@
 """The GPU step path with and without host waits (issue 41), in one run.
 
-Replays vLLM's connector call order (tiercache/testing/replay.py) on workloads made
+Replays vLLM's connector call order (tests/support/replay.py) on workloads made
 here: per batch size B, a prefill of B requests whose prompt blocks are stored, decode
 steps reading them, then B requests that hit those blocks in the CPU tier (loaded
 layer by layer) and decode. Each workload runs with 8, 32 and 80 layers at batch sizes
@@ -39,14 +39,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The tests' helpers (tests/support/) import as `support.*`.
+sys.path.insert(0, str(ROOT / "tests"))
 import tiercache  # noqa: E402
 
 if not (Path(tiercache.__path__[0]) / "tiers").exists():
     # From a checkout, tiers/ and connector/ sit beside tiercache/ (pyproject maps them).
     tiercache.__path__.append(str(ROOT))
 
-from tiercache.testing import replay as replay_module  # noqa: E402
-from tiercache.testing.replay import Replay  # noqa: E402
+from support import replay as replay_module  # noqa: E402
+from support.replay import Replay  # noqa: E402
 
 PROMPT_BLOCKS = 2  # full blocks per prompt, each stored then hit
 DECODE_STEPS = 3

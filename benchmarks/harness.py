@@ -295,7 +295,7 @@ class EngineRunner:
         self.monitor = CpuMonitor()
 
     def run(self, name: str, items: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
-        from tiercache.testing.vllm_runner import run_engine
+        from tiercache.ops.vllm_runner import run_engine
 
         measured = sum(1 for i in items if "ids" in i and i["name"] != "warm")
         print(f"[{time.strftime('%H:%M:%S')}] engine {name}: {measured} measured requests", flush=True)
@@ -418,7 +418,7 @@ def store_services(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
     left on this box is tiercache's own cost. Yields the Redis server and the S3 URL."""
     from s3_sink import running
 
-    from tiercache.testing.servers import RedisServer, local_stack
+    from tiercache.ops.local_stack import RedisServer, local_stack
 
     cpus = service_cpus(args)
     if args.s3_server == "moto":

@@ -100,7 +100,7 @@ class LMCacheServer:
     """One `lmcache server` process (multi-process mode) on free loopback ports."""
 
     def __init__(self, logdir: Path, args: argparse.Namespace):
-        from tiercache.testing.servers import free_port
+        from tiercache.ops.local_stack import free_port
 
         ports: set[int] = set()
         while len(ports) < 3:

@@ -62,7 +62,7 @@ class SinkHandler(BaseHTTPRequestHandler):
 def running(cpus: set[int]) -> Iterator[str]:
     """This sink in a process of its own, on `cpus` (anywhere when empty); yields its
     endpoint URL."""
-    from tiercache.testing.servers import _wait_port, free_port
+    from tiercache.ops.local_stack import _wait_port, free_port
 
     port = free_port()
     command = [sys.executable, __file__, str(port)] + ([",".join(map(str, sorted(cpus)))] if cpus else [])

@@ -41,9 +41,9 @@ to finish. Hits by tier are the servers' /metrics counters, read before and afte
 each trace: vLLM's prompt tokens by cache source (`device` is vLLM's own prefix
 cache; tiercache reports `host` for its CPU tier, `disk`, and `external_unspecified`
 for S3) and tiercache's own `vllm:tiercache_loaded_blocks_total` by tier. The model
-is tiercache.testing.model's random Llama, float32, sized so that a prefill costs
+is tiercache.ops.tiny_model's random Llama, float32, sized so that a prefill costs
 much more than copying its KV, with the word-level tokenizer of
-tiercache.testing.serving. Results: benchmarks/results/serve.json (`--name`).
+support.serving. Results: benchmarks/results/serve.json (`--name`).
 
 This file runs past 500 lines on purpose: its traces, servers and report are one
 experiment sized by the same constants (CONFIGS, TRACES, BLOCK, MODEL, ENV), so they
@@ -69,11 +69,14 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The tests' helpers (tests/support/) import as `support.*`.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness import IMG, RESULTS, CpuMonitor, machine, service_cpus  # noqa: E402
 
-from tiercache.testing.model import write_tiny_llama  # noqa: E402
-from tiercache.testing.serving import (  # noqa: E402
+from tiercache.ops.tiny_model import write_tiny_llama  # noqa: E402
+
+from support.serving import (  # noqa: E402
     EOS,
     VllmServer,
     metric,
@@ -282,7 +285,7 @@ def server_args(args: argparse.Namespace, kv: dict[str, Any] | None) -> list[str
 
 
 def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | None) -> dict[str, Any]:
-    from tiercache.testing.vllm_runner import connector_config
+    from tiercache.ops.vllm_runner import connector_config
 
     shutil.rmtree(disk, ignore_errors=True)
     return connector_config(
@@ -315,7 +318,7 @@ def config_services(name: str, args: argparse.Namespace, work: Path):
     elif name == "tiercache_cpu_disk":
         yield tiercache_kv(args, work / "disk-b", None), None, None
     elif name == "tiercache_cpu_disk_s3":
-        from tiercache.testing.servers import local_stack
+        from tiercache.ops.local_stack import local_stack
 
         # On the core vLLM keeps for its scheduler, off the one the model computes on.
         with local_stack("tc-serve", s3_process=True, cpus=service_cpus(args)) as (redis_server, s3):

@@ -45,7 +45,7 @@ def rss_mib() -> float:
 
 
 def disk_usage(root: Path) -> tuple[int, int]:
-    from tiercache.tiers.disk import DiskLayout
+    from tiercache.tiers.disk.tier import DiskLayout
 
     usage = DiskLayout(root).usage().values()
     return sum(objects for objects, _ in usage), sum(size for _, size in usage)
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tiercache.config import build_config
     from tiercache.engine import LocalTierCache, ObjectShape
-    from tiercache.index import Deployment
-    from tiercache.s3_gc import run_gc
-    from tiercache.testing.servers import local_stack
+    from tiercache.index.redis_index import Deployment
+    from tiercache.ops.local_stack import local_stack
+    from tiercache.tiers.s3.gc import run_gc
 
     work = Path(tempfile.mkdtemp(prefix="tiercache-soak-"))
     shape = ObjectShape("5" * 16, "6" * 16, SLOT)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         **stats,
         "crash_log": crash_log,
     }
-    from tiercache.tiers.disk import LINGER_SHARE
+    from tiercache.tiers.disk.tier import LINGER_SHARE
 
     # The files of objects evicted a moment ago linger, up to a share of the capacity
     # over it, for loads planned before the eviction was reported.

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.errors import CorruptObject
-from tiercache.tiers.disk import DiskPages, DiskTier
+from tiercache.tiers.disk.tier import DiskPages, DiskTier
 from tiercache.tiers.format import checksum_of, parse_parts, verify_pieces
 
 from .copier import LayerRegion

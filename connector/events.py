@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercache.presence import PresencePublisher
+from tiercache.index.presence import PresencePublisher
 from tiercache.tiers import CPU, DISK
 
 # vLLM's names for offloaded media (vllm/distributed/kv_events.py MEDIUM_CPU and
@@ -104,7 +104,7 @@ class TierEvents:
         if self.presence is not None and group == self._presence_group:
             # Presence lists one group's blocks: for a hybrid model, its first
             # full-attention group's, a router's upper bound of the hit (the
-            # service's lookup API, docs/architecture.md).
+            # service's lookup API, docs/design.md).
             self.presence.update(vllm_hash, tier, stored)
         if self.publish:
             self._changes.append((stored, tier, vllm_hash, group))

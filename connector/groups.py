@@ -1,9 +1,9 @@
-"""The rule of each of a vLLM deployment's KV cache groups (tiercache/kv_groups.py),
+"""The rule of each of a vLLM deployment's KV cache groups (tiercache/index/kv_groups.py),
 read off vLLM's KV cache specs."""
 
 from __future__ import annotations
 
-from tiercache.kv_groups import (
+from tiercache.index.kv_groups import (
     FULL,
     NONE,
     NULL_BLOCK,

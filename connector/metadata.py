@@ -15,7 +15,7 @@ class BlockOp:
     gpu_block: int
     slot: int
     tier: str  # where the bytes are now: "cpu", "disk", "s3"; "" = lost, fail the block
-    req_id: str = ""  # a store's request: its blocks share S3 runs (tiercache/run_packer.py)
+    req_id: str = ""  # a store's request: its blocks share S3 runs (tiers/s3/run_packer.py)
     # A load's block whose slot another transfer is filling (a staging from disk or
     # S3, or a store): tier is CPU, and the worker copies it once that fill is done.
     after_fill: bool = False
@@ -35,7 +35,7 @@ class TierCacheMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockOp] = field(default_factory=list)
     # Requests whose last block to store is in this step's stores: their partial S3
-    # runs ship once those blocks are written (tiercache/run_packer.py).
+    # runs ship once those blocks are written (tiers/s3/run_packer.py).
     stores_done: list[str] = field(default_factory=list)
     # Per request with stores this step: the paged-KV blocks its forward reads that
     # this step loads synchronously, its own or (through vLLM's prefix cache) another

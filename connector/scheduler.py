@@ -17,18 +17,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tiercache.block_hashing import BlockHashing
 from tiercache.config import TierCacheConfig, unbounded_warnings
-from tiercache.index import Deployment, RedisIndex
-from tiercache.keys import KVSpec
+from tiercache.index.block_hashing import BlockHashing
+from tiercache.index.keys import KVSpec
+from tiercache.index.presence import PresencePublisher
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import LOAD_DECISIONS, LOOKUP_BLOCKS, LOOKUP_HITS
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, CpuTierFull, reads_disk_in_forward
-from tiercache.presence import PresencePublisher
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import slots_for
-from tiercache.tiers.disk import DiskLayout
+from tiercache.tiers.disk.tier import DiskLayout
 
 from .cost_model import LoadCostModel
 from .events import TierEvents

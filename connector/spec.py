@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from tiercache.config import TierCacheConfig
-from tiercache.keys import KVSpec, layers_digest, weights_fingerprint
+from tiercache.index.keys import KVSpec, layers_digest, weights_fingerprint
 
 log = logging.getLogger("tiercache.connector")
 _warned_unreadable: set[str] = set()  # models whose fallback was logged in this process

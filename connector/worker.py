@@ -18,7 +18,7 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
 from tiercache.foreground import OUTPUT_GRACE
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread
@@ -53,7 +53,7 @@ log = logging.getLogger("tiercache.connector")
 # While a request waits for a disk or S3 load and nothing else runs, vLLM polls the
 # connector in a tight loop of empty steps. That loop holds the interpreter lock the
 # staging threads need after every read, so on a machine with few cores a disk hit's
-# load took several times longer (docs/architecture.md, "Threads and cores"). An idle
+# load took several times longer (docs/design.md, "Threads and cores"). An idle
 # step instead sleeps on the loads, this long at most: the delay a request arriving
 # meanwhile can see before it is scheduled.
 IDLE_STEP_WAIT_SECONDS = 0.01

@@ -1,6 +1,6 @@
 """vLLM's recorded connector calls (tests/data/connector_calls.json) replayed on a CUDA
 GPU: the worker's CUDA path against vLLM's call order, with a real redis-server, moto's
-S3 server and a disk folder (tiercache/testing/replay.py). On CUDA the worker copies
+S3 server and a disk folder (tests/support/replay.py). On CUDA the worker copies
 through page-locked CPU slots on the copier's stream, the forward's stream waits on
 each loaded layer's event, and stores are copied out layer by layer as the forward
 writes them; the replay's forward checks what each layer reads on the forward's
@@ -46,6 +46,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The tests' helpers (tests/support/) import as `support.*`.
+sys.path.insert(0, str(ROOT / "tests"))
 import tiercache  # noqa: E402
 
 if not (Path(tiercache.__path__[0]) / "tiers").exists():
@@ -56,8 +58,9 @@ import boto3  # noqa: E402
 
 from tiercache.connector import copier as copier_module  # noqa: E402
 from tiercache.connector import layerwise_gpu  # noqa: E402
-from tiercache.testing.replay import Replay, expected_result, with_swapped_slots  # noqa: E402
-from tiercache.testing.servers import RedisServer, start_moto  # noqa: E402
+from tiercache.ops.local_stack import RedisServer, start_moto  # noqa: E402
+
+from support.replay import Replay, expected_result, with_swapped_slots  # noqa: E402
 
 RECORDING = ROOT / "tests" / "data" / "connector_calls.json"
 LAYOUTS = ("flash_attn", "flashinfer")

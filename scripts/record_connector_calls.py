@@ -3,7 +3,7 @@
 
 One engine session of vLLM's CPU build with a tiny random Llama, redis-server and an
 S3 server (moto) on loopback, and the connector wrapped by
-tiercache.testing.recording. The workload gives hits from every tier (CPU, disk, S3),
+support.recording. The workload gives hits from every tier (CPU, disk, S3),
 stores, preemptions (a KV cache too small for three decoding requests) and aborts (one
 request waiting for its disk or S3 load, one decoding). The per-process call logs are
 merged into one JSON file:
@@ -28,6 +28,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+# The tests' helpers (tests/support/) import as `support.*`.
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))
 
 BLOCK = 32
 LAYERS = 4
@@ -117,9 +121,11 @@ def drive(llm) -> dict:
 def run_engine(model: str, extra: dict, record_dir: Path) -> dict:
     from vllm import LLM
 
-    from tiercache.testing.recording import RECORD_DIR_ENV
+    from support.recording import RECORD_DIR_ENV
 
     os.environ[RECORD_DIR_ENV] = str(record_dir)
+    # vLLM's engine core (another process) imports the recording connector too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("PYTHONHASHSEED", "0")
     llm = LLM(
         model=model,
@@ -132,7 +138,7 @@ def run_engine(model: str, extra: dict, record_dir: Path) -> dict:
         enforce_eager=True,
         kv_transfer_config={
             "kv_connector": "RecordingTierCacheConnector",
-            "kv_connector_module_path": "tiercache.testing.recording",
+            "kv_connector_module_path": "support.recording",
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         },
@@ -302,8 +308,8 @@ def main() -> None:
     parser.add_argument("--out", default="tests/data/connector_calls.json")
     args = parser.parse_args()
 
-    from tiercache.testing.model import write_tiny_llama
-    from tiercache.testing.servers import local_stack
+    from tiercache.ops.local_stack import local_stack
+    from tiercache.ops.tiny_model import write_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="tiercache-record-"))
     model = str(write_tiny_llama(work / "model", num_layers=LAYERS, seed=3))

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from tiercache.testing.servers import RedisServer, SeaweedS3, create_bucket, start_moto
+from tiercache.ops.local_stack import RedisServer, SeaweedS3, create_bucket, start_moto
 
 
 def _docker_available() -> bool:
@@ -46,7 +46,7 @@ def redis_url():
 @pytest.fixture
 def redis(redis_url):
     """The session Redis, emptied, behind tiercache's guarded client."""
-    from tiercache.redis_conn import GuardedRedis
+    from tiercache.index.redis_conn import GuardedRedis
 
     from support.redis_config import PATIENT
 

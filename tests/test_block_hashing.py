@@ -1,4 +1,4 @@
-"""tiercache/block_hashing.py against vLLM's own block hashing, for every algorithm
+"""tiercache/index/block_hashing.py against vLLM's own block hashing, for every algorithm
 vLLM offers: the service computes the hashes a router's token ids have in an engine."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 
-from tiercache.block_hashing import ALGORITHMS, DEFAULT_SEED, BlockHashing, shareable_seed
+from tiercache.index.block_hashing import ALGORITHMS, DEFAULT_SEED, BlockHashing, shareable_seed
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -19,9 +19,9 @@ import yaml
 
 from tiercache.config import RedisConfig, load_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import Deployment
-from tiercache.redis_conn import GuardedRedis
-from tiercache.testing.servers import free_port
+from tiercache.index.redis_conn import GuardedRedis
+from tiercache.index.redis_index import Deployment
+from tiercache.ops.local_stack import free_port
 
 SLOT = 4096
 TIERCACHE = Path(sys.executable).with_name("tiercache")

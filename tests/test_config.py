@@ -311,8 +311,8 @@ def test_an_s3_tier_without_capacity_is_warned_about_at_start(
 
     from tiercache.connector.scheduler import TierCacheScheduler
     from tiercache.engine import ObjectShape, TierEngine
-    from tiercache.keys import KVSpec
-    from tiercache.service import create_app
+    from tiercache.index.keys import KVSpec
+    from tiercache.ops.service import create_app
     from tiercache.tiers.cpu import CpuBuffer
 
     layers = ["model.layers.0.self_attn.attn"]
@@ -341,6 +341,8 @@ def test_an_s3_tier_without_capacity_is_warned_about_at_start(
     path = tmp_path / "unbounded.yaml"
     path.write_text(json.dumps({"redis_url": redis_url, "s3": s3}))
     checked = subprocess.run(
-        [sys.executable, "-m", "tiercache.cli", "config", "check", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "tiercache.ops.cli", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
     )
     assert checked.returncode == 0 and "s3.capacity" in checked.stderr

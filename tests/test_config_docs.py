@@ -8,12 +8,12 @@ from pathlib import Path
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from tiercache.cli import app
 from tiercache.config import TierCacheConfig
-from tiercache.config_docs import render_reference
+from tiercache.ops.cli import app
+from tiercache.ops.config_docs import render_reference
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
-REGENERATE = "regenerate it: .venv/bin/python -m tiercache.config_docs > docs/configuration.md"
+REGENERATE = "regenerate it: .venv/bin/python -m tiercache.ops.config_docs > docs/configuration.md"
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> dict[str, str | None]:

@@ -9,9 +9,10 @@ from tiercache.config import build_config
 from tiercache.connector.metadata import FILLED, RELEASED
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.stats import STORES_DROPPED, GaugeReport, TierCachePromMetrics, TierCacheStats
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 
 from support.scheduler_steps import blocks_of, report, scheduler_output
+from support.single_blocks import add_block
 
 BLOCK = 32
 PAGE = 4096
@@ -147,7 +148,7 @@ def test_a_waiting_request_reuses_its_s3_lookup_but_never_a_stale_hit(redis_url,
     local tiers are looked at afresh each time, and a block whose load failed or
     that left the disk since is not offered."""
     from tiercache.connector.metadata import OFF_DISK, READ_FAILED
-    from tiercache.index import RedisIndex
+    from tiercache.index.redis_index import RedisIndex
 
     s3 = {"bucket": "kv", "endpoint_url": "http://127.0.0.1:9"}
     sched = make_scheduler(disk=DISK, redis_url=redis_url, s3=s3, presence={"enabled": False})
@@ -155,7 +156,7 @@ def test_a_waiting_request_reuses_its_s3_lookup_but_never_a_stale_hit(redis_url,
     blocks = [bytes(h) for h in req.block_hashes]
     sched.policy.stored_on_disk(blocks[0])
     for block in blocks[1:]:
-        RedisIndex(redis).add(sched.model_digest, sched.rank_digests[0], block)
+        add_block(RedisIndex(redis), sched.model_digest, sched.rank_digests[0], block)
     asked = []
     longest_prefix = sched.s3_index.longest_prefix
     sched.s3_index.longest_prefix = lambda *args: asked.append(args) or longest_prefix(*args)

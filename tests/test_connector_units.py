@@ -19,7 +19,7 @@ from tiercache.connector.metadata import (
     RELEASED,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.scheduler_steps import blocks_of, new_request, report, scheduler_output

@@ -38,12 +38,12 @@ from prometheus_client import REGISTRY, start_http_server
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import free_port
-from tiercache.testing.serving import VllmServer, metric, text_of, write_word_tokenizer
-from tiercache.testing.vllm_runner import connector_config, loading_every_hit
+from tiercache.ops.local_stack import free_port
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import connector_config, loading_every_hit
 
 from support.faults import TcpProxy
+from support.serving import VllmServer, metric, text_of, write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "tiercache.json"
@@ -245,7 +245,7 @@ def service(tmp_path, redis_url, s3_endpoint, bucket):
     )
     log = (tmp_path / "service.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tiercache.cli", "serve", "--config", str(config)]
+        [sys.executable, "-m", "tiercache.ops.cli", "serve", "--config", str(config)]
         + ["--host", "127.0.0.1", "--port", str(port), "--gc-interval", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -299,12 +299,12 @@ def test_compose_generates_a_signed_least_privilege_stack(compose, tmp_path):
     import configparser
 
     from tiercache.config import build_config
-    from tiercache.service.auth import ServiceTokens
-    from tiercache.service.generate_secrets import main as generate_secrets
+    from tiercache.ops.service.auth import ServiceTokens
+    from tiercache.ops.service.generate_secrets import main as generate_secrets
 
     init = services(compose)["secrets-init"]
     assert init["build"]["dockerfile"] == "docker/Dockerfile"
-    assert init["entrypoint"] == ["python", "-m", "tiercache.service.generate_secrets"]
+    assert init["entrypoint"] == ["python", "-m", "tiercache.ops.service.generate_secrets"]
     args = command_args(init)
     volume_of = {target: source for source, target in mounts(init)}
     folders = {volume_of[args[0]]: tmp_path / "service", volume_of[args[1]]: tmp_path / "vllm"}
@@ -1408,7 +1408,7 @@ def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, t
     integrity key, each from a Secret the chart generates, and neither reaches the
     logged connector config."""
     from tiercache.config import build_config
-    from tiercache.service.auth import ServiceTokens
+    from tiercache.ops.service.auth import ServiceTokens
 
     docs = helm_template(helm, {}, tmp_path)
     secrets = by_name(docs, "Secret")

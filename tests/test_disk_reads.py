@@ -15,7 +15,7 @@ from tiercache.config import build_config
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import OFF_DISK, READ_FAILED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.format import parse_parts
 
 NUM_BLOCKS = 16

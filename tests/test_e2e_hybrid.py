@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.testing.model import write_tiny_gemma3, write_tiny_qwen3_next
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
+from tiercache.ops.tiny_model import write_tiny_gemma3, write_tiny_qwen3_next
+from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(redis_url, s3_endpoint):
-    from tiercache.testing.servers import create_bucket
+    from tiercache.ops.local_stack import create_bucket
 
     create_bucket(s3_endpoint, "tc-hybrid")
     return {

@@ -13,12 +13,12 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 
-from tiercache.block_hashing import BlockHashing
 from tiercache.config import build_config
-from tiercache.service import create_app
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import free_port
-from tiercache.testing.vllm_runner import connector_config
+from tiercache.index.block_hashing import BlockHashing
+from tiercache.ops.local_stack import free_port
+from tiercache.ops.service import create_app
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import connector_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

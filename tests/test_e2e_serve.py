@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import free_port
-from tiercache.testing.vllm_runner import connector_config, loading_every_hit
+from tiercache.ops.local_stack import free_port
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import connector_config, loading_every_hit
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

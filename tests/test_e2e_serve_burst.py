@@ -18,9 +18,10 @@ import time
 import httpx
 import pytest
 
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.serving import EOS, VllmServer, metric, text_of, write_word_tokenizer
-from tiercache.testing.vllm_runner import connector_config, loading_every_hit
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import connector_config, loading_every_hit
+
+from support.serving import EOS, VllmServer, metric, text_of, write_word_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

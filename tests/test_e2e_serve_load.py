@@ -22,9 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import create_bucket
-from tiercache.testing.serving import (
+from tiercache.ops.local_stack import create_bucket
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import connector_config, loading_every_hit
+
+from support.faults import TcpProxy
+from support.serving import (
     EOS,
     Leftovers,
     VllmServer,
@@ -33,9 +36,6 @@ from tiercache.testing.serving import (
     text_of,
     write_word_tokenizer,
 )
-from tiercache.testing.vllm_runner import connector_config, loading_every_hit
-
-from support.faults import TcpProxy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -512,7 +512,7 @@ def test_bad_input_gets_vllms_error_while_the_others_are_served(run_name, reques
 def test_sigterm_leaves_no_shared_memory_temp_file_or_upload_process(run_name, request):
     run: Run = request.getfixturevalue(run_name)
     assert run.exit_code == 0, run.log[-3000:]
-    uploaders = [cmd for _, cmd in run.running.processes.values() if "tiercache.uploader" in cmd]
+    uploaders = [cmd for _, cmd in run.running.processes.values() if "tiercache.tiers.s3.uploader" in cmd]
     assert uploaders, "S3 uploads ran in the worker: the upload process was not there to check"
     assert run.running.shm_segments, "no shared-memory CPU tier was seen while the server ran"
     assert run.shm_left == []

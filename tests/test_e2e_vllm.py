@@ -1,6 +1,6 @@
 """End to end on vLLM's CPU build with a tiny random Llama written by a fixture.
 
-Each engine below is a fresh process (tiercache.testing.vllm_runner), so "a disk hit"
+Each engine below is a fresh process (tiercache.ops.vllm_runner), so "a disk hit"
 really is a hit after a restart. The S3 tier is a real S3-compatible server
 (SeaweedFS, `real_s3_endpoint`) that checks every request's signature. Outputs are
 compared to a run without the connector by the first step's top logprobs, within a
@@ -8,6 +8,7 @@ tolerance: greedy tokens of a random model flip between near-ties when kernels d
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -15,10 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiercache.testing.faulty_connector import FAULTS_ENV
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
-from tiercache.tiers.disk import DiskLayout
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
+from tiercache.tiers.disk.tier import DiskLayout
+
+from support.faulty_connector import FAULTS_ENV
+
+TESTS = Path(__file__).resolve().parent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -66,7 +70,7 @@ def reference(model, workdir):
 
 @pytest.fixture(scope="module")
 def stack(redis_url, real_s3_endpoint, workdir):
-    from tiercache.testing.servers import create_bucket
+    from tiercache.ops.local_stack import create_bucket
 
     create_bucket(real_s3_endpoint, "tc-e2e")
     return {
@@ -226,7 +230,7 @@ def corrupt(path: Path) -> None:
 
 def block_hashes(ids: list[int]) -> list[bytes]:
     """A prompt's block hashes as the engines name its objects (run_engine's PYTHONHASHSEED)."""
-    from tiercache.block_hashing import BlockHashing, shareable_seed
+    from tiercache.index.block_hashing import BlockHashing, shareable_seed
 
     return BlockHashing("sha256", BLOCK, shareable_seed("sha256", {"PYTHONHASHSEED": "0"})).block_hashes(ids)
 
@@ -423,7 +427,7 @@ def where_p1_lives(workdir: Path, config: dict) -> dict[str, str]:
     tokens.write_text(json.dumps(P1))
     command = ["inspect", "--prompt", f"@{tokens}", "--config", str(config_file)]
     result = subprocess.run(
-        [sys.executable, "-m", "tiercache.cli", *command],
+        [sys.executable, "-m", "tiercache.ops.cli", *command],
         capture_output=True,
         text=True,
         timeout=120,
@@ -442,7 +446,7 @@ def test_inspect_shows_where_a_prompts_prefix_lives(first_engine, workdir, stack
 
 def test_connector_failures_never_reach_vllm_nor_change_its_outputs(model, workdir, reference):
     """Issue 39, item 3, inside a real engine: hooks of both halves raise every other
-    call (tiercache/testing/faulty_connector.py). The engine serves every prompt,
+    call (tests/support/faulty_connector.py). The engine serves every prompt,
     each output agrees with the run without the connector, and the failures are
     counted on vLLM's metrics."""
     faults = (
@@ -452,14 +456,16 @@ def test_connector_failures_never_reach_vllm_nor_change_its_outputs(model, workd
     kv = {
         **connector_config(loading_every_hit({"disk": {"path": str(workdir / "disk-faulty")}})),
         "kv_connector": "FaultyTierCacheConnector",
-        "kv_connector_module_path": "tiercache.testing.faulty_connector",
+        "kv_connector_module_path": "support.faulty_connector",
     }
     items = prompts(("p1", P1), ("p1", P1), ("p2", P2), ("p1", P1), ("sharer", SHARER), ("p1", P1))
     spec = {"model": model, "kv_transfer_config": kv, "prompts": items}
+    # The engine's processes import the faulty connector from tests/support/.
+    python_path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     out = run_engine(
         {**spec, "log_stats": True, "counters": "vllm:tiercache_hook_failures"},
         workdir / "runs",
-        env={FAULTS_ENV: faults},
+        env={FAULTS_ENV: faults, "PYTHONPATH": python_path},
     )
     for result in out["results"]:
         assert_same_output(result, reference[result["name"]])

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-import tiercache.tiers.disk as disk_module
+import tiercache.tiers.disk.tier as disk_module
 from tiercache.config import build_config
 from tiercache.engine import CPU, DISK, S3, LocalTierCache, ObjectShape, TierEngine
-from tiercache.index import RedisIndex
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import RedisIndex
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import TMP_PREFIX
+from tiercache.tiers.disk.tier import TMP_PREFIX
 
 BLOCK = 64 * 1024
 
@@ -169,13 +169,13 @@ def test_write_back_writes_down_only_on_eviction(stack):
 def test_backpressure_drops_without_blocking(tmp_path, stack):
     cache = stack(slots=8, movers={"queue_depth": 1, "workers": 1})
     gate = threading.Event()
-    upload = cache.engine.s3.put
+    upload = cache.engine.s3.put_run
 
     def slow_put(*args):
         gate.wait(60)
         return upload(*args)
 
-    cache.engine.s3.put = slow_put
+    cache.engine.s3.put_run = slow_put
     dropped = metric("tiercache_mover_dropped_total", {"tier": "s3"})
     slots: list = []
     puts = threading.Thread(target=lambda: slots.extend(cache.put(block(i), data(i)) for i in range(5)))

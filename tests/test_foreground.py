@@ -19,10 +19,10 @@ from tiercache.connector.stats import TierCacheStats
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.engine import DISK, ObjectShape, TierEngine
 from tiercache.foreground import OUTPUT_GRACE, ForegroundGate
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import PIECE_BYTES
+from tiercache.tiers.disk.tier import PIECE_BYTES
 
 
 class FakeClock:
@@ -328,7 +328,7 @@ def test_a_follower_in_another_process_waits_while_held_and_no_longer_than_max_h
 def test_a_hold_keeps_a_write_back_no_longer_than_max_hold_however_many_pieces(tmp_path):
     """The bound is per hold, not per wait: a write of 16 pieces under a hold that never
     ends waits once, max_hold, rather than max_hold at each of its pieces (8 s here)."""
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk.tier import DiskTier
     from tiercache.tiers.format import ObjectHeader, checksum
 
     gate = ForegroundGate(max_hold=0.5)

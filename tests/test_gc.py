@@ -10,12 +10,21 @@ import uuid
 
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, parse_location, runs_key
-from tiercache.leases import Leases, new_token
-from tiercache.s3_gc import flush_namespace, run_gc
+from tiercache.index.leases import Leases, new_token
+from tiercache.index.redis_index import (
+    Deployment,
+    RedisIndex,
+    RunRecord,
+    blocks_key,
+    parse_location,
+    runs_key,
+)
 from tiercache.tiers.format import CorruptObject
-from tiercache.tiers.s3 import S3Tier, make_client
-from tiercache.tiers.s3_runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
+from tiercache.tiers.s3.gc import flush_namespace, run_gc
+from tiercache.tiers.s3.runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
+from tiercache.tiers.s3.tier import S3Tier, make_client
+
+from support.single_blocks import acquire_read, release_read
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
@@ -184,7 +193,7 @@ def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, real_s3_endp
     leases = Leases(redis, read_ttl=60)
     rank = dep.rank_digests[0]
     token = new_token()
-    assert leases.acquire_read(dep.model_digest, rank, hashes[0], token)  # the oldest
+    assert acquire_read(leases, dep.model_digest, rank, hashes[0], token)  # the oldest
 
     report = run_gc(config)
 
@@ -195,7 +204,7 @@ def test_gc_never_deletes_under_a_live_read_lease(redis, redis_url, real_s3_endp
     assert indexed(redis, dep) == {hashes[0], hashes[4]}
 
     # Once the lease is released it is the oldest, and goes on the next pass.
-    leases.release_read(dep.model_digest, rank, hashes[0], token)
+    release_read(leases, dep.model_digest, rank, hashes[0], token)
     config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
     run_gc(config)
     assert indexed(redis, dep) == {hashes[4]}
@@ -208,7 +217,7 @@ def test_gc_with_every_victim_leased_stops(redis, redis_url, real_s3_endpoint, r
     dep = store(config, hashes)
     leases = Leases(redis, read_ttl=60)
     for h in hashes:
-        assert leases.acquire_read(dep.model_digest, dep.rank_digests[0], h, new_token())
+        assert acquire_read(leases, dep.model_digest, dep.rank_digests[0], h, new_token())
 
     report = run_gc(config)
 
@@ -318,7 +327,7 @@ def test_flush_namespace_drops_index_then_objects(redis, redis_url, real_s3_endp
     leases = Leases(redis, read_ttl=60)
     token = new_token()
     rank0 = dep.rank_digests[0]
-    assert leases.acquire_read(dep.model_digest, rank0, mine[0], token)
+    assert acquire_read(leases, dep.model_digest, rank0, mine[0], token)
     assert len(s3_keys(config)) == 10
     disk_root = tmp_path / "disk"
     assert len(list(disk_root.glob("*/*/*.safetensors"))) == 10
@@ -338,7 +347,7 @@ def test_flush_namespace_drops_index_then_objects(redis, redis_url, real_s3_endp
     assert len(list(disk_root.glob("*/*/*.safetensors"))) == 2
 
     # The leased object goes with the sweep once it is old enough.
-    leases.release_read(dep.model_digest, rank0, mine[0], token)
+    release_read(leases, dep.model_digest, rank0, mine[0], token)
     run_gc(config, now=time.time() + 3600)
     assert s3_keys(config) == {key_of(other, h) for h in theirs}
 
@@ -384,7 +393,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
 
     redis.client.flushall()  # no persistence, a failover to an empty replica...
     before = refusals()
-    with caplog.at_level("WARNING", logger="tiercache.s3_gc"):
+    with caplog.at_level("WARNING", logger="tiercache.tiers.s3.gc"):
         report = run_gc(config, now=time.time() + 3600)
     assert report["orphans"]["deleted"] == 0
     assert report["orphans"]["refused"]
@@ -392,7 +401,7 @@ def test_sweep_refuses_when_redis_lost_its_data_and_reindex_brings_it_back(
     assert refusals() == before + 1
     assert any("62" in r.getMessage() and "refus" in r.getMessage() for r in caplog.records)
 
-    from tiercache.s3_reindex import reindex
+    from tiercache.tiers.s3.reindex import reindex
 
     rebuilt = reindex(config)
     assert rebuilt["errors"] == []

@@ -14,7 +14,7 @@ from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.groups import FULL, NONE, STATE, WINDOW, GroupRule, best_end, group_key, group_rules
 from tiercache.connector.metadata import FILLED
 from tiercache.connector.scheduler import TierCacheScheduler, slot_bytes_for
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.scheduler_steps import report, scheduler_output

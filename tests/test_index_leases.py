@@ -17,14 +17,23 @@ from prometheus_client import REGISTRY
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import REGISTRY as REGISTRY_KEY
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key, index_keys, runs_key
-from tiercache.keys import KVSpec
-from tiercache.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.keys import KVSpec
+from tiercache.index.leases import Claim, Leases, new_token, read_lease_key, write_lease_key
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import REGISTRY as REGISTRY_KEY
+from tiercache.index.redis_index import Deployment, RedisIndex, RunRecord, blocks_key, index_keys, runs_key
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.redis_config import PATIENT
+from support.single_blocks import (
+    acquire_read,
+    add_block,
+    claim_write,
+    gc_unindex,
+    publish,
+    release_read,
+    release_write,
+)
 
 BLOCK = 64 * 1024
 
@@ -258,7 +267,7 @@ def test_index_add_remove_and_memory(guarded):
     index = RedisIndex(guarded)
     model, rank = digest(), digest()
     block = hashes(1)[0]
-    index.add(model, rank, block)
+    add_block(index, model, rank, block)
     assert index.longest_prefix(model, [rank], [block]) == 1
     assert index.memory_usage(model, rank) > 0
     index.remove(model, rank, block)
@@ -273,41 +282,37 @@ def test_write_lease_tokens(guarded):
     model, rank, block = digest(), digest(), hashes(1)[0]
     first, second = new_token(), new_token()
     conflicts = metric("tiercache_lease_conflicts_total")
-    assert leases.claim_write(model, rank, block, first) is Claim.ACQUIRED
-    assert leases.claim_write(model, rank, block, second) is Claim.HELD
+    assert claim_write(leases, model, rank, block, first) is Claim.ACQUIRED
+    assert claim_write(leases, model, rank, block, second) is Claim.HELD
     assert metric("tiercache_lease_conflicts_total") == conflicts + 1
-    # Only the holder releases or renews.
-    assert not leases.release_write(model, rank, block, second)
-    assert not leases.renew_write(model, rank, block, second)
+    # Only the holder releases.
+    assert not release_write(leases, model, rank, block, second)
     lease = write_lease_key(model, rank, block.hex())
-    guarded.client.pexpire(lease, 1000)
-    assert leases.renew_write(model, rank, block, first)
-    assert guarded.client.pttl(lease) > 1000
-    assert leases.release_write(model, rank, block, first)
-    assert not leases.release_write(model, rank, block, first)
+    assert release_write(leases, model, rank, block, first)
+    assert not release_write(leases, model, rank, block, first)
     # The next writer gets it, uploads and publishes: index entry in, lease out.
-    assert leases.claim_write(model, rank, block, second) is Claim.ACQUIRED
-    leases.publish(model, rank, block, second)
+    assert claim_write(leases, model, rank, block, second) is Claim.ACQUIRED
+    publish(leases, model, rank, block, second)
     assert not guarded.client.exists(lease)
     assert guarded.client.hexists(blocks_key(model, rank), block)
-    assert leases.claim_write(model, rank, block, new_token()) is Claim.PRESENT
+    assert claim_write(leases, model, rank, block, new_token()) is Claim.PRESENT
 
 
 def test_publish_by_a_late_writer_keeps_the_holders_lease(guarded):
     leases = Leases(guarded)
     model, rank, block = digest(), digest(), hashes(1)[0]
     holder, late = new_token(), new_token()
-    assert leases.claim_write(model, rank, block, holder) is Claim.ACQUIRED
-    leases.publish(model, rank, block, late)
+    assert claim_write(leases, model, rank, block, holder) is Claim.ACQUIRED
+    publish(leases, model, rank, block, late)
     assert guarded.client.get(write_lease_key(model, rank, block.hex())) == holder.encode()
 
 
 def test_write_lease_expires(guarded):
     leases = Leases(guarded, write_ttl=0.1)
     model, rank, block = digest(), digest(), hashes(1)[0]
-    assert leases.claim_write(model, rank, block, new_token()) is Claim.ACQUIRED  # then the holder dies
+    assert claim_write(leases, model, rank, block, new_token()) is Claim.ACQUIRED  # then the holder dies
     deadline = time.monotonic() + 10
-    while leases.claim_write(model, rank, block, "next") is Claim.HELD and time.monotonic() < deadline:
+    while claim_write(leases, model, rank, block, "next") is Claim.HELD and time.monotonic() < deadline:
         time.sleep(0.05)
     assert guarded.client.get(write_lease_key(model, rank, block.hex())) == b"next"
 
@@ -318,34 +323,34 @@ def test_write_lease_expires(guarded):
 def test_gc_never_unindexes_under_a_read_lease(guarded):
     leases, index = Leases(guarded), RedisIndex(guarded)
     model, rank, block = digest(), digest(), hashes(1)[0]
-    index.add(model, rank, block)
+    add_block(index, model, rank, block)
     one, two = new_token(), new_token()
-    assert leases.acquire_read(model, rank, block, one)
-    assert leases.acquire_read(model, rank, block, two)
-    assert leases.gc_unindex(model, rank, block) == 0
-    leases.release_read(model, rank, block, one)
-    assert leases.gc_unindex(model, rank, block) == 0  # the second reader still reads
+    assert acquire_read(leases, model, rank, block, one)
+    assert acquire_read(leases, model, rank, block, two)
+    assert gc_unindex(leases, model, rank, block) == 0
+    release_read(leases, model, rank, block, one)
+    assert gc_unindex(leases, model, rank, block) == 0  # the second reader still reads
     assert index.longest_prefix(model, [rank], [block]) == 1
-    leases.release_read(model, rank, block, two)
-    assert leases.gc_unindex(model, rank, block) == 1
+    release_read(leases, model, rank, block, two)
+    assert gc_unindex(leases, model, rank, block) == 1
     assert index.longest_prefix(model, [rank], [block]) == 0
     # Once unindexed, no read lease is granted: a reader gets a miss, not a vanishing object.
-    assert not leases.acquire_read(model, rank, block, new_token())
-    assert leases.gc_unindex(model, rank, block) == -1
+    assert not acquire_read(leases, model, rank, block, new_token())
+    assert gc_unindex(leases, model, rank, block) == -1
     assert not guarded.client.exists(read_lease_key(model, rank, block.hex()))
 
 
 def test_read_lease_of_a_dead_reader_expires(guarded):
     leases, index = Leases(guarded, read_ttl=0.1), RedisIndex(guarded)
     model, rank, block = digest(), digest(), hashes(1)[0]
-    index.add(model, rank, block)
-    assert leases.acquire_read(model, rank, block, new_token())  # never released
-    assert leases.gc_unindex(model, rank, block) == 0
+    add_block(index, model, rank, block)
+    assert acquire_read(leases, model, rank, block, new_token())  # never released
+    assert gc_unindex(leases, model, rank, block) == 0
     deadline = time.monotonic() + 10
     result = 0
     while result == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-        result = leases.gc_unindex(model, rank, block)
+        result = gc_unindex(leases, model, rank, block)
     assert result == 1
 
 
@@ -421,7 +426,7 @@ def test_a_waiting_writer_takes_over_from_a_dead_one(redis_url, s3_endpoint, buc
         block = hashes(1, seed=5)[0]
         # Another process claimed the key, then died before its PUT.
         dead = Leases(engine.redis, write_ttl=0.3)
-        assert dead.claim_write(shape.model_digest, shape.rank_digest, block, new_token()) is Claim.ACQUIRED
+        assert claim_write(dead, shape.model_digest, shape.rank_digest, block, new_token()) is Claim.ACQUIRED
         results: list = []
         engine.write_down(block, None, results.append, data=b"\x07" * BLOCK, tiers=(S3,))
         assert engine.flush(30)
@@ -455,7 +460,7 @@ def test_redis_down_is_a_fast_miss_then_recovers(redis_server):
     with pytest.raises(RedisUnavailable, match="backoff"):
         index.longest_prefix(model, [rank], blocks)
     with pytest.raises(RedisUnavailable, match="backoff"):
-        leases.acquire_read(model, rank, blocks[0], new_token())
+        acquire_read(leases, model, rank, blocks[0], new_token())
     assert metric("tiercache_index_errors_total", {"op": "lookup"}) == errors + 1
     assert not guarded.ping()
 
@@ -464,7 +469,7 @@ def test_redis_down_is_a_fast_miss_then_recovers(redis_server):
     found = None
     while found is None and time.monotonic() < deadline:
         try:
-            index.add(model, rank, blocks[0])
+            add_block(index, model, rank, blocks[0])
             found = index.longest_prefix(model, [rank], blocks)
         except RedisUnavailable:
             time.sleep(0.05)
@@ -484,7 +489,7 @@ def test_password_and_acl_user(redis_server):
     for url in (f"redis://:default-pw@{base}", f"redis://tiercache:user-pw@{base}"):
         guarded = GuardedRedis(url, RedisConfig())
         index = RedisIndex(guarded)
-        index.add(model, rank, block)
+        add_block(index, model, rank, block)
         assert index.longest_prefix(model, [rank], [block]) == 1
         guarded.close()
     wrong = GuardedRedis(f"redis://tiercache:wrong@{base}", RedisConfig())

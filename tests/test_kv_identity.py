@@ -20,9 +20,9 @@ import pytest
 
 from tiercache.config import build_config
 from tiercache.engine import DISK, ObjectShape, TierEngine
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk.tier import DiskTier
 
 BLOCK = 32
 PAGE = 4096
@@ -242,7 +242,7 @@ def test_unreadable_weights_fall_back_to_the_model_id_and_log_once(tmp_path, cap
 
 
 def test_weights_fingerprint_reads_config_and_weight_files(model_dir, tmp_path):
-    from tiercache.keys import weights_fingerprint
+    from tiercache.index.keys import weights_fingerprint
 
     assert weights_fingerprint(tmp_path / "empty-or-missing") is None
     before = weights_fingerprint(model_dir)

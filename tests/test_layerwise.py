@@ -22,7 +22,7 @@ from tiercache.connector.layerwise import LayerwiseLoad
 from tiercache.connector.layerwise_gpu import StreamLayerwiseLoad
 from tiercache.connector.metadata import FILLED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers.cpu import CpuBuffer
 
 NUM_BLOCKS = 16

@@ -17,15 +17,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = {"tiercache": "tiercache", "tiers": "tiercache/tiers", "connector": "tiercache/connector"}
 # What `tiercache demo` and `tiercache bench` import from the package's local stack.
-PRODUCT_TESTING = (
-    "tiercache/testing/servers.py",
-    "tiercache/testing/model.py",
-    "tiercache/testing/vllm_runner.py",
+LOCAL_STACK = (
+    "tiercache/ops/local_stack.py",
+    "tiercache/ops/tiny_model.py",
+    "tiercache/ops/vllm_runner.py",
 )
 
 _PROBE = """
 import importlib, importlib.util, json, sys
-import tiercache, tiercache.tiers.disk, tiercache.tiers.s3
+import tiercache, tiercache.tiers.disk.tier, tiercache.tiers.s3.tier
 full = sys.argv[1] == "full"
 if full:  # runs connector/__init__.py, which imports vLLM: slow, so only once
     connector = importlib.import_module("tiercache.connector")
@@ -34,7 +34,7 @@ else:
     connector_file = importlib.util.find_spec("tiercache.connector").origin
 print(json.dumps({
     "tiercache": tiercache.__file__,
-    "disk": tiercache.tiers.disk.__file__,
+    "disk": tiercache.tiers.disk.tier.__file__,
     "connector": connector_file,
     "has_connector_class": hasattr(connector, "TierCacheConnector") if full else None,
     "top_level_tiers": importlib.util.find_spec("tiers") is not None,
@@ -71,7 +71,7 @@ def _source_files() -> set[str]:
 def test_editable_install_maps_the_subpackages(tmp_path):
     found = _probe(tmp_path, full=True)  # not the repo root: no accidental import from the cwd
     assert Path(found["tiercache"]).parent == REPO / "tiercache"
-    assert Path(found["disk"]).parent == REPO / "tiers"
+    assert Path(found["disk"]).parent == REPO / "tiers" / "disk"
     assert Path(found["connector"]).parent == REPO / "connector"
     assert found["has_connector_class"]
     assert not found["top_level_tiers"] and not found["top_level_connector"]
@@ -108,18 +108,21 @@ def test_wheel_contents(wheel):
         top_level = archive.read(f"{dist_info}/top_level.txt").decode().split()
         entry_points = archive.read(f"{dist_info}/entry_points.txt").decode()
     modules = {n for n in names if n.endswith(".py")}
-    assert {"tiercache/tiers/disk.py", "tiercache/tiers/s3.py", "tiercache/connector/__init__.py"} <= modules
+    # One subpackage per concern (docs/architecture.md).
+    for package in ("index", "ops", "ops/service", "tiers/disk", "tiers/s3", "connector"):
+        assert f"tiercache/{package}/__init__.py" in modules, package
+    assert {"tiercache/tiers/disk/tier.py", "tiercache/tiers/s3/tier.py"} <= modules
     missing = _source_files() - modules
     assert not missing, f"source modules left out of the wheel: {sorted(missing)}"
     # `tiercache demo` and `tiercache bench` start a local stack from the wheel alone;
     # helpers only tests use (tests/support/) stay out of it.
-    assert set(PRODUCT_TESTING) <= modules
-    assert not any(n.startswith("tiercache/testing/faults") or "/support/" in n for n in names)
+    assert set(LOCAL_STACK) <= modules
+    assert not any(n.startswith("tiercache/testing/") or "/support/" in n for n in names)
     roots = {n.split("/")[0] for n in names}
     assert roots == {"tiercache", dist_info}
     assert not any(n.startswith(("tiers/", "connector/")) for n in names)
     assert top_level == ["tiercache"]
-    assert "tiercache = tiercache.cli:main" in entry_points
+    assert "tiercache = tiercache.ops.cli:main" in entry_points
 
 
 def test_wheel_installs_and_imports(wheel, tmp_path):
@@ -138,6 +141,6 @@ def test_wheel_installs_and_imports(wheel, tmp_path):
     found = _probe(elsewhere, {"PYTHONPATH": str(target)})
     # PYTHONPATH comes before the editable finder: these are the wheel's files.
     assert Path(found["tiercache"]).is_relative_to(target)
-    assert Path(found["disk"]) == target / "tiercache" / "tiers" / "disk.py"
+    assert Path(found["disk"]) == target / "tiercache" / "tiers" / "disk" / "tier.py"
     assert Path(found["connector"]) == target / "tiercache" / "connector" / "__init__.py"
     assert not found["top_level_tiers"] and not found["top_level_connector"]

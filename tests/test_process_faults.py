@@ -61,7 +61,7 @@ def test_an_upload_that_times_out_returns_only_once_the_process_is_dead(
     block) while the stalled process could still read it and upload its new bytes."""
     from test_engine import BLOCK, block, make_config, new_shape
 
-    from tiercache.uploader import UploadProcess, UploadSetup
+    from tiercache.tiers.s3.uploader import UploadProcess, UploadSetup
 
     config = make_config(tmp_path, redis_url=redis_url, s3_endpoint=s3_endpoint, bucket=bucket, slots=2)
     buffer = CpuBuffer(2, BLOCK, pin_memory=False, shared=True)

@@ -15,7 +15,9 @@ from botocore.exceptions import ClientError
 
 from tiercache.config import S3TierConfig
 from tiercache.tiers.format import ObjectHeader, checksum
-from tiercache.tiers.s3 import Fetch, S3Tier
+from tiercache.tiers.s3.tier import Fetch, S3Tier
+
+from support.s3_blocks import fetch_block, put_block
 
 SLOT = 8192
 
@@ -47,19 +49,20 @@ def test_a_wrong_secret_is_a_miss_that_leaves_the_object(real_s3_endpoint, real_
     key = f"{uuid.uuid4().hex[:16]}/{uuid.uuid4().hex * 2}"
     data = memoryview(bytes(range(256)) * (SLOT // 256))
     writer = S3Tier(config)
-    assert writer.put(key, data, ObjectHeader(key, key[:16], SLOT, checksum(data)))
+    stored = put_block(writer, ObjectHeader(key, key[:16], SLOT, checksum(data)), data)
+    assert stored is not None
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")  # boto3's chain, read per client
     refused = S3Tier(config)
     try:
         out = memoryview(bytearray(SLOT))
         # Refused: neither missing nor corrupt, so nothing is deleted or unindexed.
-        assert refused.fetch_into(key, out) is Fetch.UNAVAILABLE
-        assert not refused.put(key, data, ObjectHeader(key, key[:16], SLOT, checksum(data)))
+        assert fetch_block(refused, stored, out) is Fetch.UNAVAILABLE
+        assert put_block(refused, ObjectHeader(key, key[:16], SLOT, checksum(data)), data) is None
         assert not refused.ping()
     finally:
         refused.close()
 
     out = memoryview(bytearray(SLOT))
-    assert writer.fetch_into(key, out) is Fetch.OK and bytes(out) == bytes(data)
+    assert fetch_block(writer, stored, out) is Fetch.OK and bytes(out) == bytes(data)
     writer.close()

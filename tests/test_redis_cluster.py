@@ -14,12 +14,13 @@ from redis.cluster import key_slot
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import Deployment, RedisIndex, index_keys
-from tiercache.leases import Claim, Leases, new_token
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.leases import Claim, Leases, new_token
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import Deployment, RedisIndex, index_keys
 from tiercache.tiers.cpu import CpuBuffer
 
 from support.faults import RedisClusterServers, block_payload
+from support.single_blocks import acquire_read, add_block, claim_write, gc_unindex, publish, release_read
 
 pytestmark = pytest.mark.slow
 SETTINGS = RedisConfig(retry_backoff=0.1, max_backoff=0.2, socket_timeout=1, connect_timeout=1)
@@ -50,7 +51,7 @@ def test_index_and_leases_through_a_cluster(cluster):
     blocks = hashes(40)
     for rank in ranks:
         for block in blocks[:30]:
-            index.add(model, rank, block)
+            add_block(index, model, rank, block)
     index.remove(model, ranks[1], blocks[29])
     # One script over both ranks' keys (one slot thanks to the hash tag).
     assert len({key_slot(key.encode()) for r in ranks for key in index_keys(model, r)}) == 1
@@ -58,16 +59,16 @@ def test_index_and_leases_through_a_cluster(cluster):
     # Leases: one writer claims, the object is published, a reader leases it, GC waits.
     block = hashes(1)[0]
     token = new_token()
-    assert leases.claim_write(model, ranks[0], block, token) is Claim.ACQUIRED
-    assert leases.claim_write(model, ranks[0], block, new_token()) is Claim.HELD
-    leases.publish(model, ranks[0], block, token)
-    assert leases.claim_write(model, ranks[0], block, new_token()) is Claim.PRESENT
+    assert claim_write(leases, model, ranks[0], block, token) is Claim.ACQUIRED
+    assert claim_write(leases, model, ranks[0], block, new_token()) is Claim.HELD
+    publish(leases, model, ranks[0], block, token)
+    assert claim_write(leases, model, ranks[0], block, new_token()) is Claim.PRESENT
     reader = new_token()
-    assert leases.acquire_read(model, ranks[0], block, reader)
-    assert leases.gc_unindex(model, ranks[0], block) == 0
-    leases.release_read(model, ranks[0], block, reader)
-    assert leases.gc_unindex(model, ranks[0], block) == 1
-    assert not leases.acquire_read(model, ranks[0], block, new_token())
+    assert acquire_read(leases, model, ranks[0], block, reader)
+    assert gc_unindex(leases, model, ranks[0], block) == 0
+    release_read(leases, model, ranks[0], block, reader)
+    assert gc_unindex(leases, model, ranks[0], block) == 1
+    assert not acquire_read(leases, model, ranks[0], block, new_token())
     guarded.close()
 
 
@@ -106,7 +107,7 @@ def test_one_master_killed_means_misses_not_errors(cluster):
     blocks = hashes(4)
     for model in models:
         for block in blocks:
-            index.add(model, rank, block)
+            add_block(index, model, rank, block)
         assert index.longest_prefix(model, [rank], blocks) == 4
     victim = cluster.port_of_slot(key_slot(index_keys(models[0], rank)[0].encode()))
     cluster.kill(victim)
@@ -120,7 +121,7 @@ def test_one_master_killed_means_misses_not_errors(cluster):
             except RedisUnavailable:
                 outcomes["miss"] += 1  # what the scheduler counts as a miss
             with contextlib.suppress(RedisUnavailable):
-                leases.acquire_read(model, rank, blocks[0], new_token())
+                acquire_read(leases, model, rank, blocks[0], new_token())
         time.sleep(0.05)
     assert outcomes["miss"] > 0
     guarded.close()

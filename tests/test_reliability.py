@@ -6,7 +6,7 @@ processes storing one prefix at once, and GC racing a reader.
 
 Two connector engines serve every vLLM scenario (engine starts cost most of the
 time here); the test drives them between prompts through {"touch"}/{"wait_for"}
-entries of tiercache.testing.vllm_runner. Outputs are compared with a run without the
+entries of tiercache.ops.vllm_runner. Outputs are compared with a run without the
 connector as tests/test_e2e_vllm.py does."""
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import redis as redis_py
 
 from tiercache.config import build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import REGISTRY, Deployment, blocks_key, parse_location
-from tiercache.s3_gc import run_gc
-from tiercache.testing.model import write_tiny_llama
-from tiercache.testing.servers import RedisServer, create_bucket
-from tiercache.testing.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
+from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key, parse_location
+from tiercache.ops.local_stack import RedisServer, create_bucket
+from tiercache.ops.tiny_model import write_tiny_llama
+from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk import DiskLayout
+from tiercache.tiers.disk.tier import DiskLayout
 from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
-from tiercache.tiers.s3_runs import check_run_bytes, run_object_name
+from tiercache.tiers.s3.gc import run_gc
+from tiercache.tiers.s3.runs import check_run_bytes, run_object_name
+from tiercache.tiers.s3.tier import Fetch
 
 from support.faults import (
     EngineProcess,
@@ -464,15 +465,14 @@ def test_gc_racing_a_reader_gives_bytes_or_a_miss(redis_url, s3_endpoint, bucket
         "evicted": 0,
         "gc_errors": 0,
     }
-    real_get = reader.s3.get_into
+    real_fetch = reader.s3.fetch_run
 
-    def get_into(key, out):  # called only once a read lease is held
-        ok = real_get(key, out)
-        if not ok:
-            counts["gone_under_lease"] += 1
-        return ok
+    def fetch_run(*args, **kwargs):  # called only once a read lease is held
+        found = real_fetch(*args, **kwargs)
+        counts["gone_under_lease"] += sum(result is not Fetch.OK for result in found)
+        return found
 
-    reader.s3.get_into = get_into
+    reader.s3.fetch_run = fetch_run
 
     def write() -> None:
         for _ in range(200):  # fresh keys: no re-upload races the GC's delete
@@ -566,8 +566,8 @@ def test_a_second_writer_of_a_block_never_leaves_a_file_nothing_counts(tmp_path,
     unlinked after it was counted. Here the second writer is held in its rename (made
     under the root index's write lock, with its count) while the block is removed:
     the removal waits for the rename, then takes the file."""
-    from tiercache.tiers import disk as disk_module
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk import tier as disk_module
+    from tiercache.tiers.disk.tier import DiskTier
 
     shape = ObjectShape("5" * 16, "6" * 16, SLOT)
     tier = DiskTier(tmp_path, shape.object_bytes)  # room for one object
@@ -617,7 +617,7 @@ def test_a_block_stored_while_its_file_is_being_removed_is_counted_only_if_its_f
     interleave, so the store answered True and counted a file the removal then
     unlinked, and the scheduler heard "on disk" for a block that was not there (a
     later load failed)."""
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk.tier import DiskTier
 
     shape = ObjectShape("9" * 16, "a" * 16, SLOT)
     block = b"m" * 32
@@ -653,7 +653,7 @@ def test_a_block_stored_while_its_file_is_being_removed_is_counted_only_if_its_f
 def test_concurrent_disk_writers_never_overshoot_capacity(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk.tier import DiskTier
 
     shape = ObjectShape("7" * 16, "8" * 16, SLOT)
     tier = DiskTier(tmp_path, 10 * shape.object_bytes)

@@ -7,7 +7,7 @@ preemptions and aborts. Here the worker half replays them without vLLM, on CPU
 tensors in FlashAttention's and FlashInfer's GPU layouts, copied by the CPU backend's
 threads or by the CUDA path's kernels under Triton's interpreter; the forward checks,
 layer by layer, that every block it reads holds the KV of its block hash
-(tiercache/testing/replay.py). The CUDA path's twin runs with a stand-in for the copy
+(tests/support/replay.py). The CUDA path's twin runs with a stand-in for the copy
 stream whose events read done only later (tests/support/fake_cuda.py), and no hook
 may wait for the GPU. On a lent GPU, scripts/gpu_replay.py runs the same
 replay on CUDA tensors, where the CUDA streams and events are exercised too."""
@@ -24,9 +24,9 @@ import pytest
 
 from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
-from tiercache.testing.replay import Replay, expected_result, recorded_reports, with_swapped_slots
 
 from support.fake_cuda import FakeCopyStream
+from support.replay import Replay, expected_result, recorded_reports, with_swapped_slots
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDING = ROOT / "tests" / "data" / "connector_calls.json"

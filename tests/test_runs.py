@@ -15,13 +15,13 @@ from pydantic import SecretStr
 
 from tiercache.config import ConfigError, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
-from tiercache.index import Deployment, RedisIndex, RunRecord, blocks_key
-from tiercache.leases import Leases, new_token
-from tiercache.run_packer import RunPacker
-from tiercache.s3_gc import run_gc
-from tiercache.s3_reindex import reindex
+from tiercache.index.leases import Leases, new_token
+from tiercache.index.redis_index import Deployment, RedisIndex, RunRecord, blocks_key
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.s3_runs import SPREAD_HEX, parse_run_name
+from tiercache.tiers.s3.gc import run_gc
+from tiercache.tiers.s3.reindex import reindex
+from tiercache.tiers.s3.run_packer import RunPacker
+from tiercache.tiers.s3.runs import SPREAD_HEX, parse_run_name
 
 BLOCK = 16 * 1024
 INTEGRITY_KEY = "k" * 40
@@ -279,7 +279,9 @@ def test_orphan_runs_are_swept_and_old_per_block_objects_reclaimed(engines):
     model, rank = engine.shape.model_digest, engine.shape.rank_digest
     # An older tiercache's per-block object and index: never read, reclaimed by GC.
     header = engine.shape.header(block(11, 9), memoryview(data(11, 9)))
-    assert engine.s3.put(header.key, memoryview(data(11, 9)), header)
+    old_object = engine.s3.object_name(header.key)
+    engine.s3.client.put_object(Bucket=engine.s3.bucket, Key=old_object, Body=header.encode() + data(11, 9))
+    assert [key for key, _, _ in engine.s3.list_objects()] == [header.key]
     engine.redis.client.zadd(f"tc:{{{model}}}:idx:{rank}", {block(11, 9): 1.0})
     report = run_gc(engine.config, redis=engine.redis, s3=engine.s3, now=time.time() + 3600)
     assert report["orphans"]["legacy_deleted"] == 1
@@ -360,7 +362,7 @@ def test_the_packer_ships_consecutive_runs_ended_groups_and_late_ones():
 
 
 def test_a_long_stretch_of_large_blocks_goes_as_parallel_ranged_gets(engines, monkeypatch):
-    import tiercache.s3_reader as s3_reader
+    import tiercache.tiers.s3.reader as s3_reader
 
     engine = engines(pack=16)
     store(engine, 12, 16)

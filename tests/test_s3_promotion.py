@@ -15,7 +15,7 @@ from tiercache.config import build_config
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import ON_DISK, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers import S3
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -31,7 +31,7 @@ from tiercache.connector.metadata import (
 )
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 from tiercache.tiers import CPU
 
 from support.scheduler_steps import blocks_of, new_request, report, scheduler_output

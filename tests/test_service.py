@@ -14,14 +14,14 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.block_hashing import BlockHashing
 from tiercache.config import build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
-from tiercache.presence import PresencePublisher
-from tiercache.service import MAX_LOOKUP_HASHES, collect_stats, create_app
-from tiercache.service.models import MAX_LOOKUP_TOKENS
-from tiercache.tiers.s3 import S3Tier, make_client
+from tiercache.index.block_hashing import BlockHashing
+from tiercache.index.presence import PresencePublisher
+from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
+from tiercache.ops.service import MAX_LOOKUP_HASHES, collect_stats, create_app
+from tiercache.ops.service.models import MAX_LOOKUP_TOKENS
+from tiercache.tiers.s3.tier import S3Tier, make_client
 
 SLOT = 4096
 OBJECT = ObjectShape("0" * 16, "1" * 16, SLOT).object_bytes
@@ -148,7 +148,7 @@ def test_readyz_names_s3_when_the_bucket_is_missing(redis, redis_url, s3_endpoin
 
 
 def test_readyz_names_s3_when_the_endpoint_is_gone(redis, redis_url):
-    from tiercache.testing.servers import free_port
+    from tiercache.ops.local_stack import free_port
 
     config = make_config(redis_url, f"http://127.0.0.1:{free_port()}", "some-bucket")
     response = TestClient(create_app(config)).get("/readyz")
@@ -508,7 +508,7 @@ def live_service(redis, redis_url):
 
     import uvicorn
 
-    from tiercache.testing.servers import free_port
+    from tiercache.ops.local_stack import free_port
 
     app = create_app(make_config(redis_url), admin_token=TOKEN)
     port = free_port()
@@ -842,7 +842,7 @@ def test_unreadable_registry_entries_are_skipped(stack, redis, tmp_path):
 
 
 def test_lookup_of_a_hybrid_model_ends_where_every_kv_cache_group_can_serve(stack, redis):
-    from tiercache.kv_groups import group_key
+    from tiercache.index.kv_groups import group_key
 
     config, client = stack
     prompt = blocks(6)

@@ -19,7 +19,7 @@ from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import FILL_FAILED, FILLED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 
 NUM_BLOCKS = 12
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import LocalTierCache, ObjectShape
-from tiercache.index import RedisIndex
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import RedisIndex
 
 from support.faults import TcpProxy
 
@@ -173,7 +173,7 @@ def test_an_s3_run_record_that_does_not_decode_is_a_miss(tmp_path, redis_url, bu
     read, into the connector's hooks (issue 39, item 3)."""
     import redis as redis_client
 
-    from tiercache.index import RUN_ID_BYTES, index_keys
+    from tiercache.index.redis_index import RUN_ID_BYTES, index_keys
 
     cache, shape = tiered_cache(tmp_path, redis_url, bucket, s3_endpoint)
     try:
@@ -201,7 +201,7 @@ def test_a_staged_load_past_its_deadline_is_a_recompute_and_its_late_read_lands_
 
     from tiercache.connector.metadata import FILL_FAILED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
     from tiercache.connector.worker import TierCacheWorker
-    from tiercache.keys import KVSpec
+    from tiercache.index.keys import KVSpec
 
     slow_s3.delay = 0.0
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

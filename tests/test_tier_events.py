@@ -19,9 +19,9 @@ from tiercache.connector.metadata import (
     RELEASED,
 )
 from tiercache.connector.scheduler import TierCacheScheduler
-from tiercache.index import REGISTRY, Deployment
-from tiercache.keys import KVSpec
-from tiercache.presence import instance_prefixes, presence_key
+from tiercache.index.keys import KVSpec
+from tiercache.index.presence import instance_prefixes, presence_key
+from tiercache.index.redis_index import REGISTRY, Deployment
 
 from support.scheduler_steps import blocks_of, new_request, report, scheduler_output
 

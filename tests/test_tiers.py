@@ -15,21 +15,22 @@ import threading
 import time
 from pathlib import Path
 
-import boto3
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from safetensors import safe_open
 
 from tiercache.config import S3TierConfig
-from tiercache.keys import split_key
+from tiercache.index.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk import SUFFIX, TMP_PREFIX, DiskTier
-from tiercache.tiers.disk_index import INDEX_DIR
+from tiercache.tiers.disk.index import INDEX_DIR
+from tiercache.tiers.disk.tier import SUFFIX, TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
-from tiercache.tiers.s3 import ObjectBody, S3Tier
+from tiercache.tiers.s3.runs import RunGeometry
+from tiercache.tiers.s3.tier import Fetch, ObjectBody, S3Tier
 
 from support.faults import TcpProxy
+from support.s3_blocks import StoredBlock, fetch_block, put_block
 
 DIGEST = "0123456789abcdef"
 BLOCK = 64 * 1024
@@ -233,7 +234,7 @@ def test_disk_o_direct_round_trip(tmp_path):
 def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
     import errno
 
-    import tiercache.tiers.disk as disk_module
+    import tiercache.tiers.disk.tier as disk_module
 
     def no_space(fd, *parts, pace=None):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -416,7 +417,7 @@ _FILLER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.disk.tier import DiskTier
     from tiercache.tiers.format import ObjectHeader, checksum
 
     root, digest, capacity, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -491,7 +492,7 @@ _SLOW_WRITER = textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
-    import tiercache.tiers.disk as disk
+    import tiercache.tiers.disk.tier as disk
     from tiercache.tiers.format import ObjectHeader, checksum
 
     root, digest = sys.argv[1], sys.argv[2]
@@ -670,23 +671,40 @@ def s3_tier(s3_endpoint, bucket):
     tier.close()
 
 
+def put_s3(tier: S3Tier, i: int, size: int = BLOCK) -> tuple[StoredBlock | None, bytes]:
+    data = payload(i, size)
+    return put_block(tier, header_for(key_of(i), data), data), data
+
+
+def read_s3(tier: S3Tier, stored: StoredBlock, size: int = BLOCK) -> bytes | None:
+    out = bytearray(size)
+    return bytes(out) if fetch_block(tier, stored, memoryview(out)) is Fetch.OK else None
+
+
 def test_s3_round_trip(s3_tier):
-    data = put(s3_tier, 1)
-    assert read(s3_tier, 1) == data
-    assert s3_tier.exists(key_of(1)) and not s3_tier.exists(key_of(2))
+    stored, data = put_s3(s3_tier, 1)
+    assert stored is not None and read_s3(s3_tier, stored) == data
     names = [item["Key"] for item in s3_tier.client.list_objects_v2(Bucket=s3_tier.bucket)["Contents"]]
-    assert names == [f"t/{key_of(1)}.safetensors"]
-    assert [key for key, _, _ in s3_tier.list_objects()] == [key_of(1)]
-    assert [key for key, _, _ in s3_tier.list_objects(DIGEST)] == [key_of(1)]
-    assert list(s3_tier.list_objects("f" * 16)) == []
+    assert names == [s3_tier.run_name(DIGEST, stored.run_hex)]
+    assert [(d, run) for d, run, _, _ in s3_tier.list_runs()] == [(DIGEST, stored.run_hex)]
+    assert list(s3_tier.list_runs("f" * 16)) == []
     assert s3_tier.ping()
 
 
+def test_s3_lists_only_the_per_block_objects_of_a_tiercache_before_runs(s3_tier):
+    """What GC reclaims (tiers/s3/legacy.py): `<prefix><digest>/<block>.safetensors`."""
+    put_s3(s3_tier, 1)
+    s3_tier.client.put_object(Bucket=s3_tier.bucket, Key=s3_tier.object_name(key_of(2)), Body=b"old")
+    assert [key for key, _, _ in s3_tier.list_objects()] == [key_of(2)]
+    assert [key for key, _, _ in s3_tier.list_objects(DIGEST)] == [key_of(2)]
+    assert list(s3_tier.list_objects("f" * 16)) == []
+
+
 def test_s3_many_objects_in_parallel(s3_tier):
-    futures = {i: s3_tier.pool.submit(put, s3_tier, i, BLOCK + i) for i in range(16)}
-    expected = {i: future.result() for i, future in futures.items()}
-    reads = {i: s3_tier.pool.submit(read, s3_tier, i, BLOCK + i) for i in range(16)}
-    assert all(reads[i].result() == expected[i] for i in range(16))
+    futures = {i: s3_tier.pool.submit(put_s3, s3_tier, i, BLOCK + i) for i in range(16)}
+    stored = {i: future.result() for i, future in futures.items()}
+    reads = {i: s3_tier.pool.submit(read_s3, s3_tier, stored[i][0], BLOCK + i) for i in range(16)}
+    assert all(reads[i].result() == stored[i][1] for i in range(16))
 
 
 def test_object_body_streams_header_then_pages_as_views():
@@ -738,9 +756,9 @@ def test_s3_put_cut_mid_body_is_retried_whole(s3_endpoint, bucket):
     through_proxy = S3Tier(config.model_copy(update={"endpoint_url": proxy.url}))
     direct = S3Tier(config.model_copy(update={"endpoint_url": s3_endpoint}))
     try:
-        data = put(through_proxy, 5, 2 << 20)
-        assert proxy.cut.is_set()
-        assert read(direct, 5, 2 << 20) == data
+        stored, data = put_s3(through_proxy, 5, 2 << 20)
+        assert proxy.cut.is_set() and stored is not None
+        assert read_s3(direct, stored, 2 << 20) == data
     finally:
         through_proxy.close()
         direct.close()
@@ -749,28 +767,9 @@ def test_s3_put_cut_mid_body_is_retried_whole(s3_endpoint, bucket):
 
 def test_s3_miss_is_not_an_error(s3_tier):
     before = errors("s3", "client_error")
-    assert read(s3_tier, 42) is None
+    never_stored = StoredBlock(key_of(42), DIGEST, "00" * 8, RunGeometry(4096, 4096, BLOCK))
+    assert fetch_block(s3_tier, never_stored, memoryview(bytearray(BLOCK))) is Fetch.MISSING
     assert errors("s3", "client_error") == before
-
-
-@pytest.mark.parametrize("damage", ["noise", "flip_data", "truncate", "longer"])
-def test_s3_corruption_is_caught(s3_tier, damage):
-    put(s3_tier, 7)
-    name = s3_tier.object_name(key_of(7))
-    raw = bytearray(s3_tier.client.get_object(Bucket=s3_tier.bucket, Key=name)["Body"].read())
-    if damage == "noise":
-        raw = bytearray(os.urandom(len(raw)))  # same size, nothing right in it
-    elif damage == "flip_data":
-        raw[-10] ^= 0x01
-    elif damage == "truncate":
-        raw = raw[:-100]
-    else:
-        raw += b"extra"
-    s3_tier.client.put_object(Bucket=s3_tier.bucket, Key=name, Body=bytes(raw))
-    before = errors("s3", "corrupt")
-    assert read(s3_tier, 7) is None
-    assert errors("s3", "corrupt") == before + 1
-    assert not s3_tier.exists(key_of(7))  # removed, so no one reads it again
 
 
 def test_s3_unreachable_is_a_bounded_failure(bucket):
@@ -792,39 +791,11 @@ def test_s3_unreachable_is_a_bounded_failure(bucket):
     )
     try:
         before = errors("s3", "unreachable")
-        data = payload(1)
-        assert not tier.put(key_of(1), memoryview(data), header_for(key_of(1), data))
-        assert read(tier, 1) is None
+        stored, _ = put_s3(tier, 1)
+        assert stored is None
+        nowhere = StoredBlock(key_of(1), DIGEST, "00" * 8, RunGeometry(4096, 4096, BLOCK))
+        assert fetch_block(tier, nowhere, memoryview(bytearray(BLOCK))) is Fetch.UNAVAILABLE
         assert errors("s3", "unreachable") == before + 2
         assert not tier.ping()
     finally:
-        tier.close()
-
-
-def test_s3_object_opens_with_safetensors(s3_tier, tmp_path):
-    data = put(s3_tier, 8)
-    client = boto3.client("s3", endpoint_url=s3_tier.config.endpoint_url, region_name="us-east-1")
-    path = tmp_path / "object.safetensors"
-    client.download_file(s3_tier.bucket, s3_tier.object_name(key_of(8)), str(path))
-    with safe_open(str(path), framework="numpy") as f:
-        assert f.metadata()["key"] == key_of(8)
-        assert f.metadata()["namespace_digest"] == DIGEST
-        assert f.get_tensor("kv").tobytes() == data
-
-
-def test_disk_and_s3_tiers_are_object_tiers_of_one_shape(tmp_path, s3_tier):
-    """The tier engine holds both through one protocol: the same calls, the same answers."""
-    from tiercache.tiers.base import ObjectTier
-
-    disk = DiskTier(tmp_path, 1 << 20)
-    key = "0" * 16 + "/" + "ab" * 32
-    data = memoryview(bytes(range(256)) * 16)
-    header = ObjectHeader(key, "0" * 16, len(data), checksum(data))
-    for tier, name in ((disk, "disk"), (s3_tier, "s3")):
-        assert isinstance(tier, ObjectTier) and tier.name == name
-        assert not tier.contains(key)
-        assert tier.put(key, data, header) and tier.contains(key)
-        out = bytearray(len(data))
-        assert tier.get_into(key, memoryview(out)) and bytes(out) == bytes(data)
-        assert tier.delete(key) and not tier.contains(key)
         tier.close()

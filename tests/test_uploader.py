@@ -137,7 +137,7 @@ def test_an_upload_under_way_waits_while_the_worker_holds_its_gate(engine, tmp_p
     """The upload process follows the worker's foreground gate: a PUT it was handed
     while a forward loads hits waits (between reads of its body) for the release."""
     from tiercache.foreground import ForegroundGate
-    from tiercache.uploader import UploadProcess
+    from tiercache.tiers.s3.uploader import UploadProcess
 
     assert engine.foreground.flag is not None
     assert engine.uploads.setup.gate_fd == engine.foreground.flag.fd  # the engine wires its own
@@ -168,7 +168,7 @@ def test_an_upload_stepping_aside_keeps_no_other_upload_waiting_for_its_answer(e
     """Review fix: the copies' frames were sent under the lock the answers are read
     under, so while one upload stepped aside for a forward, the answer of another (and
     the slot it frees) waited for it too."""
-    from tiercache.uploader import UploadProcess
+    from tiercache.tiers.s3.uploader import UploadProcess
 
     uploads = UploadProcess(engine.uploads.setup)
     released = threading.Event()

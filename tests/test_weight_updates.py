@@ -156,8 +156,8 @@ UPDATE = {"update_weights": SCALE}
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    from tiercache.testing.model import write_tiny_llama
-    from tiercache.testing.vllm_runner import connector_config, loading_every_hit, run_engine
+    from tiercache.ops.tiny_model import write_tiny_llama
+    from tiercache.ops.vllm_runner import connector_config, loading_every_hit, run_engine
 
     workdir = tmp_path_factory.mktemp("weights")
     model = str(write_tiny_llama(workdir / "llama", seed=0))
@@ -194,7 +194,7 @@ def e2e(tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_after_new_weights_in_place_and_a_reset_no_tier_serves_the_old_kv(e2e):
-    from tiercache.testing.vllm_runner import assert_same_output
+    from tiercache.ops.vllm_runner import assert_same_output
 
     plain, cached = e2e
     before, once, twice = plain

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
     from tiercache.connector.vllm_compat import HAVE_VLLM
     from tiercache.connector.worker import TierCacheWorker
-    from tiercache.keys import KVSpec
+    from tiercache.index.keys import KVSpec
 
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     # FlashAttention's GPU layout: (2, num_blocks, block_size, kv_heads, head_size).

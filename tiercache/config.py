@@ -296,7 +296,7 @@ class MoverConfig(_Strict):
 
 class PresenceConfig(_Strict):
     """What this instance publishes to Redis for routers: which blocks its CPU and disk
-    tiers hold (tiercache/presence.py), read by the service's `/v1/lookup`."""
+    tiers hold (tiercache/index/presence.py), read by the service's `/v1/lookup`."""
 
     enabled: bool = Field(
         default=True, description="publish this instance's CPU and disk blocks (needs redis_url)"
@@ -484,7 +484,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 # Environment variables that configure the process, not the cache (the service's
-# tokens: tiercache.service.auth).
+# tokens: tiercache.ops.service.auth).
 _NOT_CONFIG_ENV = {
     "TIERCACHE_ADMIN_TOKEN",
     "TIERCACHE_ADMIN_TOKEN_FILE",

@@ -18,23 +18,22 @@ from pathlib import Path
 
 from tiercache.config import TierCacheConfig
 from tiercache.foreground import ForegroundGate
-from tiercache.index import Deployment, RedisIndex
-from tiercache.leases import Leases
+from tiercache.index.leases import Leases
+from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
+from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy
-from tiercache.redis_conn import GuardedRedis, RedisUnavailable
-from tiercache.run_packer import RunPacker
-from tiercache.s3_reader import S3Reader
-from tiercache.s3_writer import S3Writer
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
 from tiercache.tiers import CPU, DISK, S3
-from tiercache.tiers.base import ObjectTier
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
-from tiercache.tiers.disk import DiskPages, DiskTier
+from tiercache.tiers.disk.tier import DiskPages, DiskTier
 from tiercache.tiers.format import ObjectHeader
-from tiercache.tiers.s3 import S3Tier
-from tiercache.uploader import UploadProcess, UploadSetup
+from tiercache.tiers.s3.reader import S3Reader
+from tiercache.tiers.s3.run_packer import RunPacker
+from tiercache.tiers.s3.tier import S3Tier
+from tiercache.tiers.s3.uploader import UploadProcess, UploadSetup
+from tiercache.tiers.s3.writer import S3Writer
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class TierEngine:
                 self.uploads.pace = self.foreground.wait
         # The object tiers this engine has, fastest first, and how each is read: the
         # disk directly, S3 under a read lease that keeps GC off the object.
-        self.lower: dict[str, ObjectTier] = {
+        self.lower: dict[str, DiskTier | S3Tier] = {
             tier.name: tier for tier in (self.disk, self.s3) if tier is not None
         }
         self._readers = {DISK: self._read_disk, S3: self._download}
@@ -193,7 +192,7 @@ class TierEngine:
         self._s3_stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage-s3")
         # A request waits on its disk reads, so they run in parallel on any core, at
         # normal priority: one thread on the model's core was the slower choice
-        # (docs/architecture.md, "Threads and cores", has the figures).
+        # (docs/design.md, "Threads and cores", has the figures).
         self._disk_readers = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-disk-read", initializer=any_cpu_thread
         )
@@ -386,7 +385,7 @@ class TierEngine:
 
     def read_s3(self, blocks: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Read consecutive blocks of a prefix from S3 into their buffers, verified, with
-        one ranged GET per run they lie in (s3_reader.py). Per block, whether it came."""
+        one ranged GET per run they lie in (tiers/s3/reader.py). Per block, whether it came."""
         if self.s3_reader is None:
             return [False] * len(blocks)
         return self.s3_reader.read(blocks)

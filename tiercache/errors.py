@@ -1,6 +1,6 @@
 """tiercache's own exceptions, in one leaf module (it imports nothing from tiercache, so
 tiers/ may use it). The modules that raise them re-export them under their old names
-(tiercache.config.ConfigError, tiercache.redis_conn.RedisUnavailable,
+(tiercache.config.ConfigError, tiercache.index.redis_conn.RedisUnavailable,
 tiercache.tiers.cpu.CpuTierFull, tiercache.tiers.format.CorruptObject)."""
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 On vLLM's CPU backend the forward, the copy of a hit into the paged KV and the movers'
 write-down (a disk write is a copy into the page cache; an upload, a copy into a
 socket) all share one memory bus, and the forward is bound by it: a copy running on the
-other core slows a forward-like loop down (figures in docs/architecture.md, "Threads and
+other core slows a forward-like loop down (figures in docs/design.md, "Threads and
 cores"). A hit
 that arrives while its own prompt is still being written down (the usual case: the
 same prefix asked again at once) paid for both. So while a step that loads hits runs,
 the movers start no new block, and the writes already under way stop between pieces:
-a disk write between its pieces (tiers/disk.py, PIECE_BYTES), a block's copy for its
+a disk write between its pieces (tiers/disk/tier.py, PIECE_BYTES), a block's copy for its
 S3 run before it starts, an upload between the reads of its body and between the
 blocks it hands to the upload process, which follows the hold through a shared page
 (`GateFlag`). The rest goes on at the step's end.

@@ -43,7 +43,7 @@ LOADS_TIMED_OUT = Counter(
 INDEX_ERRORS = Counter("tiercache_index_errors", "Shared index calls that failed", ["op"])
 # Every HTTP request sent to S3 (retries included: each is billed), by operation, and
 # the object bytes moved, by direction: what `tiercache bench` turns into requests
-# per 1k tokens and dollars per million tokens (tiercache/s3_cost.py).
+# per 1k tokens and dollars per million tokens (tiers/s3/cost.py).
 S3_REQUESTS = Counter("tiercache_s3_requests", "HTTP requests sent to S3, by operation", ["op"])
 S3_BYTES = Counter("tiercache_s3_bytes", "Object bytes sent to or read from S3", ["direction"])
 GC_SWEEPS_REFUSED = Counter(

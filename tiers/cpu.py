@@ -151,7 +151,7 @@ class CpuBuffer:
 
     With `shared`, the memory is an anonymous memory file (memfd, `shared_fd`) that
     another process may map: the upload process gets the descriptor when it starts
-    (pass_fds) and reads blocks from it (see tiercache/uploader.py). It has no name in
+    (pass_fds) and reads blocks from it (see tiers/s3/uploader.py). It has no name in
     /dev/shm, so nothing is left behind however the processes die, in whatever pid
     namespace (a restarted container), and /dev/shm's size does not bound it.
     Shared memory is not page-locked, so `shared` is for hosts without CUDA; it falls

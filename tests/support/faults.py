@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiercache.testing.servers import _wait_port, free_port
+from tiercache.ops.local_stack import _wait_port, free_port
 
 
 class TcpProxy:
@@ -117,7 +117,7 @@ def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen | None = No
 
 
 class EngineProcess:
-    """tiercache.testing.vllm_runner in a session of its own, so a test can drive it
+    """tiercache.ops.vllm_runner in a session of its own, so a test can drive it
     between prompts ({"touch": ...}/{"wait_for": ...} entries) and kill the whole
     engine (front end, engine core, workers) with SIGKILL, as a crash would."""
 
@@ -132,7 +132,7 @@ class EngineProcess:
         child_env.setdefault("PYTHONHASHSEED", "0")
         self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in wait()/kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache.testing.vllm_runner", str(self.spec_file), str(self.out_file)],
+            [sys.executable, "-m", "tiercache.ops.vllm_runner", str(self.spec_file), str(self.out_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=child_env,

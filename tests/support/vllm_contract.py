@@ -191,7 +191,7 @@ def sleep_call_order(connector_cls: type) -> dict[str, Any]:
     from tiercache.config import build_config
     from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
     from tiercache.connector.worker import TierCacheWorker
-    from tiercache.keys import KVSpec
+    from tiercache.index.keys import KVSpec
 
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     kv = {name: torch.randn(10, 2, 16, 8) for name in layers}

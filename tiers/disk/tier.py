@@ -1,0 +1,853 @@
+"""The disk tier: one safetensors file per object under a root directory on local
+NVMe, written to a temporary name and renamed, so a process killed mid-write never
+leaves a partial object under a real name. One capacity per root, LRU across every
+process and digest on it, counted in an index in the root (tiers/disk/index.py) and
+brought in line with the files on start."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from stat import S_IMODE
+
+from tiercache.index.keys import split_key
+from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
+from tiercache.tiers import DISK
+from tiercache.tiers.disk.index import RootIndex, index_exists
+from tiercache.tiers.format import (
+    DATA_ALIGN,
+    CorruptObject,
+    ObjectHeader,
+    PageShape,
+    check_header,
+    decode_header,
+    header_length,
+    verify,
+)
+
+# With a pace set, a write looks at it this often (bytes): a 2 MiB block's write stops
+# at most a quarter of the way past the start of a hold (tiercache/foreground.py).
+PIECE_BYTES = 512 * 1024
+# How much the files of objects evicted a moment ago may add to the capacity, as a
+# share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
+# the workers last reported, and an object evicted since (by a write running beside
+# the step) must still serve the load planned from it (docs/reliability.md).
+LINGER_SHARE = 32  # one 32nd
+
+log = logging.getLogger(__name__)
+TIER = DISK
+SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
+# KV bytes can be inverted into the prompts that made them: objects, temp files and
+# the folders that hold them are the owner's alone, whatever the process umask.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_DIGEST_DIR = re.compile(r"^[0-9a-f]{16}$")
+# Reads write their recency to the root's index at least this often (seconds).
+SYNC_SECONDS = 1.0
+# How long a finding that a digest is unused is trusted (seconds).
+UNUSED_RECHECK_SECONDS = 1.0
+# Objects looked at per query while evicting.
+_EVICT_BATCH = 64
+
+
+class DiskLayout:
+    """Where a disk tier root keeps what: the one place that knows the layout, for the
+    tier itself and for everyone who reads the folder without owning it (the
+    scheduler's scan at start, the service's stats and lookups, GC's flush, inspect).
+
+        <root>/<rank digest>/<first 2 hex of the block>/<block hash hex>.safetensors
+        <root>/<rank digest>/<xx>/.tmp-<pid>-<random>-<block hash hex>.safetensors
+        <root>/.tiercache/                 the root's index (tiers/disk/index.py)
+
+    The two-hex fan-out keeps folders small. A temp file's name is unique (the pid
+    is there for people reading the folder); its writer holds a lock on it until
+    the rename, which is how a dead writer's leftovers are told from a live one's."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._root = str(self.root)
+
+    def path(self, key: str) -> str:
+        """The file of `key`. A plain string: on the hot path pathlib costs more than
+        the syscalls. ValueError for a key that is not `<hex digest>/<hex block>`, so
+        no key can name a path outside the root."""
+        digest, block = split_key(key)
+        return f"{self._root}/{digest}/{block[:2]}/{block}{SUFFIX}"
+
+    def holds(self, key: str) -> bool:
+        """Whether `key`'s object is there (False for a malformed key)."""
+        try:
+            return os.path.isfile(self.path(key))
+        except ValueError:
+            return False
+
+    def digest_dir(self, digest: str) -> Path:
+        return self.root / digest
+
+    @staticmethod
+    def temp_path(path: str) -> str:
+        """The name an object is written under before its rename to `path`, never
+        shared by two writers (of one process, or of containers whose pids collide)."""
+        folder, name = os.path.split(path)
+        return f"{folder}/{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{name}"
+
+    @staticmethod
+    def block_of(name: str) -> str | None:
+        """The block hash (hex) object file `name` holds; None for a temp file or
+        anything else."""
+        if name.startswith(TMP_PREFIX) or not name.endswith(SUFFIX):
+            return None
+        return name[: -len(SUFFIX)]
+
+    def digests(self) -> list[str]:
+        """The rank digests with a folder under the root (links are not followed)."""
+        try:
+            with os.scandir(self.root) as entries:
+                return sorted(
+                    e.name for e in entries if _DIGEST_DIR.match(e.name) and e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            return []
+
+    def files(self, digest: str) -> Iterator[os.DirEntry]:
+        """Every file in `digest`'s fan-out folders: objects, temp files and strays.
+        A folder that cannot be read, or vanishes meanwhile, is passed over."""
+        with contextlib.suppress(OSError), os.scandir(self.digest_dir(digest)) as shards:
+            for shard in shards:
+                if not shard.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError), os.scandir(shard.path) as entries:
+                    yield from entries
+
+    def objects(self, digest: str) -> Iterator[tuple[str, os.DirEntry]]:
+        """(block hash hex, file) for each object of `digest`, temp files skipped."""
+        for entry in self.files(digest):
+            block = self.block_of(entry.name)
+            if block is not None:
+                yield block, entry
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Objects and bytes per rank digest under the root."""
+        found: dict[str, tuple[int, int]] = {}
+        for digest in self.digests():
+            objects = size = 0
+            for _, entry in self.objects(digest):
+                with contextlib.suppress(OSError):
+                    size += entry.stat(follow_symlinks=False).st_size
+                    objects += 1
+            found[digest] = (objects, size)
+        return found
+
+    def remove_digest(self, digest: str) -> int:
+        """Delete every file of `digest`, and its entries in the root's index; the
+        number of objects there were."""
+        folder = self.digest_dir(digest)
+        if not folder.is_dir():
+            return 0
+        count = sum(1 for _ in self.objects(digest))
+        if not index_exists(self.root):
+            shutil.rmtree(folder, ignore_errors=True)
+            return count
+        index = RootIndex(self.root)
+        try:
+            with index.write():  # the tiers on the root see it whole, or not yet
+                index.remove_digest(digest, "flush")
+                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            index.close()
+        return count
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity: int,
+        *,
+        o_direct: bool = False,
+        fsync: bool = False,
+        on_remove: Callable[[str], None] | None = None,
+        digest: str | None = None,
+        integrity_key: bytes | None = None,
+    ):
+        """`capacity`: the budget of the whole root, shared with every other tier on
+        it, in this process or another (tiers/disk/index.py keeps the count): a store
+        evicts the least recently used objects under the root, those of digests no
+        running tier uses first. `digest`: the namespace digest this tier serves; it
+        is held in use while the tier runs, and `on_remove` hears of every object of
+        it that leaves the root, whoever removed it. None: every digest, none held
+        (tools and tests that own the whole root). `integrity_key`: objects are served
+        only if their MAC was made with it (see format.sign); None checks the plain
+        checksum."""
+        self.root = Path(root)
+        self.digest = digest
+        self.capacity = capacity
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.fsync = fsync
+        self.integrity_key = integrity_key
+        self._on_remove = on_remove
+        self._lock = threading.Lock()  # the fields below
+        self._writing = 0  # bytes of this process's writes in flight: counted against capacity too
+        # Reads are not written to the index one by one: their recency, and objects
+        # found gone, go with the tier's next write to it (at least every SYNC_SECONDS
+        # while reads come).
+        self._recent: dict[str, float] = {}
+        self._lost: set[str] = set()
+        self._synced = time.monotonic()
+        self._unused: tuple[float, list[str]] = (-UNUSED_RECHECK_SECONDS, [])
+        # Objects this tier evicted whose files are not unlinked yet, oldest first: out
+        # of the index (reported removed), but a read planned before the report still
+        # finds them. At most `linger_bytes` of them, over the capacity.
+        self._leaving: OrderedDict[str, int] = OrderedDict()
+        self._leaving_bytes = 0
+        self.linger_bytes = capacity // LINGER_SHARE
+        self._name = secrets.token_hex(8)  # this tier in the index's removal log
+        # Called between the pieces of a write (PIECE_BYTES each): where the engine's
+        # foreground gate stops a write under way while a forward loads hits.
+        self.pace: Callable[[], None] | None = None
+        prepare_root(self.root)
+        self.layout = DiskLayout(self.root)
+        self.index = RootIndex(self.root)
+        # The descriptor whose lock says this tier's digest is in use, while it is.
+        self._held: list[int] = []
+        if digest is not None:
+            with self.index.write() as index:
+                self._held.append(index.hold_digest(digest))
+        self._seen = self.index.last_removal()
+        weakref.finalize(self, _close_tier, self.index, self._held)
+        self._reindex()
+        TIER_CAPACITY.labels(TIER).set(capacity)
+
+    name = TIER
+
+    # -- naming -------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        return Path(self.layout.path(key))
+
+    def _mine(self, key: str) -> bool:
+        return self.digest is None or key.startswith(f"{self.digest}/")
+
+    # -- index --------------------------------------------------------------
+    def _reindex(self) -> None:
+        """Bring the root's index in line with the files present: objects it does not
+        know (an older tiercache's, or one renamed just before a crash) are counted,
+        recent by their modification time; entries whose file is gone are dropped.
+        Temporary files no live writer holds are removed, and so are the folders of
+        unused digests that hold nothing. Then evict down to the capacity."""
+        found: dict[str, tuple[str, int, float]] = {}
+        for digest in self.layout.digests():
+            _close_folders(self.layout.digest_dir(digest))
+            for entry in self.layout.files(digest):
+                if entry.name.startswith(TMP_PREFIX):
+                    clear_stale_temp(entry.path)
+                    continue
+                block = self.layout.block_of(entry.name)
+                if block is None:
+                    continue
+                key = f"{digest}/{block}"
+                try:
+                    split_key(key)
+                    stat = entry.stat()
+                    if stat.st_mode & 0o077:  # left readable by a tiercache before 0600
+                        os.chmod(entry.path, FILE_MODE)
+                except (ValueError, OSError):
+                    continue
+                found[key] = (digest, stat.st_size, stat.st_mtime)
+        with self.index.write() as index:
+            known = index.all_keys()
+            # Both checked again under the index's lock: another process may have
+            # stored or evicted since the scan.
+            for key in found.keys() - known:
+                if os.path.exists(self.layout.path(key)):
+                    index.add(key, *found[key])
+            for key in known - found.keys():
+                if not os.path.exists(self.layout.path(key)):
+                    index.remove(key, self._name)
+            removed = self._make_room(index, self.capacity)
+            self._reclaim_unused_folders(index)
+            usage = index.total()
+        TIER_USAGE.labels(TIER).set(usage)
+        log.info(
+            "disk tier %s: %d objects, %d bytes under the root", self.root, len(known | found.keys()), usage
+        )
+        self._report(removed)
+
+    def keys(self) -> list[str]:
+        """This tier's keys (its digest's, or every one), least recently used first."""
+        return self.index.keys(self.digest)
+
+    def __len__(self) -> int:
+        return self.index.usage(self.digest)[0]
+
+    def __contains__(self, key: str) -> bool:
+        return self.contains(key)
+
+    def usage_bytes(self) -> int:
+        """Bytes of this tier's objects (its digest's, or the whole root's)."""
+        return self.index.usage(self.digest)[1]
+
+    # -- operations ---------------------------------------------------------
+    def put(self, key: str, data: memoryview, header: ObjectHeader) -> bool:
+        """Write one object. False when it cannot be stored (full disk, no
+        permission, the index busy): a store is dropped, never an error for the caller."""
+        path = self.layout.path(key)
+        preamble = header.encode()
+        size = len(preamble) + len(data)
+        if size > self.capacity:
+            return False
+        try:
+            if self.index.has(key):
+                self._used(key)
+                return True
+        except sqlite3.Error as error:
+            return self._dropped(key, "index", error)
+        with self._lock:
+            self._writing += size
+        try:
+            return self._put_reserved(key, path, preamble, data, size)
+        finally:
+            with self._lock:
+                self._writing -= size
+
+    def _put_reserved(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
+        tmp = self.layout.temp_path(path)
+        removed: list[str] = []
+        fd: int | None = None
+        renamed = False  # and not yet counted by a committed transaction
+        try:
+            with timed(TIER, "put", len(data)):
+                # Room for the writes under way first, so that this process's
+                # concurrent writers cannot each evict for themselves and together
+                # overshoot the capacity.
+                if self.index.total() + self._writing > self.capacity:
+                    with self.index.write() as index:
+                        removed += self._sync(index)  # this tier's reads count in the order
+                        removed += self._make_room(index, self.capacity - self._writing)
+                try:
+                    fd = self._write(tmp, preamble, data)
+                except FileNotFoundError:  # the object's folder does not exist yet
+                    _make_private_dirs(os.path.dirname(path))
+                    fd = self._write(tmp, preamble, data)
+                with self.index.write() as index:
+                    removed += self._sync(index)
+                    if index.has(key):  # another writer put it there meanwhile
+                        os.unlink(tmp)
+                        index.mark_used({key: time.time()})
+                    else:
+                        os.replace(tmp, path)
+                        renamed = True
+                        self._stop_leaving(key)  # the path holds the new file now
+                        try:
+                            index.add(key, split_key(key)[0], size, time.time())
+                            removed += self._make_room(index, self.capacity - (self._writing - size))
+                        except BaseException:
+                            os.unlink(path)  # still under the index's lock: no one else's file
+                            renamed = False
+                            raise
+                    TIER_USAGE.labels(TIER).set(index.total())
+                renamed = False
+        except (OSError, sqlite3.Error) as error:
+            kind = "disk_full" if getattr(error, "errno", None) == errno.ENOSPC else "io"
+            if isinstance(error, sqlite3.Error):
+                kind = "disk_full" if "full" in str(error) else "index"
+            for leftover in (tmp, path) if renamed else (tmp,):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+            return self._dropped(key, kind, error)
+        finally:
+            if fd is not None:
+                os.close(fd)
+            self._report(removed)
+        return True
+
+    @staticmethod
+    def _dropped(key: str, kind: str, error: Exception) -> bool:
+        TIER_ERRORS.labels(TIER, kind).inc()
+        log.warning("disk tier: dropped store of %s: %s", key, error)
+        return False
+
+    def _write(self, tmp: str, preamble: bytes, data: memoryview) -> int:
+        """Write the object to `tmp`, a new file. Returns its descriptor, still open
+        and holding the file's lock: the lock tells a cleaner that a live writer owns
+        the file, until the rename (see clear_stale_temp)."""
+        direct = self.o_direct and _aligned(data)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
+        fd = os.open(tmp, flags, FILE_MODE)  # the umask can only narrow it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink == 0:
+                # A cleaner locked it first (between the open and the lock) and took
+                # it for a dead writer's.
+                raise FileNotFoundError(errno.ENOENT, "temporary file removed before it was locked", tmp)
+            if direct:
+                # O_DIRECT needs aligned memory: copy the small preamble into an
+                # anonymous (page-aligned) map; the pages go straight from the slot.
+                # The map is freed with its last reference: closing it explicitly
+                # would fail while a failed write's traceback still holds a view.
+                aligned = mmap.mmap(-1, len(preamble))
+                aligned.write(preamble)
+                _write_all(fd, aligned, data, pace=self.pace)
+            else:
+                _write_all(fd, preamble, data, pace=self.pace)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _make_room(self, index: RootIndex, budget: int) -> list[str]:
+        """(Inside index.write().) Evict until the root's objects fit in `budget`:
+        those of unused digests first, then the least recently used of all. The keys
+        evicted."""
+        over = index.total() - budget
+        if over <= 0:
+            return []
+        evicted: list[str] = []
+        unused = self._unused_digests(index)
+        for among in ([unused] if unused else []) + [None]:
+            while over > 0:
+                victims = index.oldest(_EVICT_BATCH, among)
+                if not victims:
+                    break
+                for key, _, size in victims[: _needed(victims, over)]:
+                    index.remove(key, self._name)
+                    with self._lock:
+                        self._leaving[key] = size
+                        self._leaving_bytes += size
+                    TIER_EVICTIONS.labels(TIER).inc()
+                    evicted.append(key)
+                    over -= size
+        self._unlink_lingering(index)
+        if unused:
+            self._reclaim_unused_folders(index)
+        return evicted
+
+    def _unlink_lingering(self, index: RootIndex) -> None:
+        """(Inside index.write().) Unlink the oldest evicted files while they add more
+        than `linger_bytes`; one stored again since is the new object's, and stays."""
+        while True:
+            with self._lock:
+                if self._leaving_bytes <= self.linger_bytes or not self._leaving:
+                    return
+                gone, size = self._leaving.popitem(last=False)
+                self._leaving_bytes -= size
+            if not index.has(gone):
+                _unlink(self.layout.path(gone))
+
+    def _stop_leaving(self, key: str) -> None:
+        """`key`'s lingering file is replaced or removed otherwise."""
+        with self._lock:
+            size = self._leaving.pop(key, None)
+            if size is not None:
+                self._leaving_bytes -= size
+
+    def _unused_digests(self, index: RootIndex) -> list[str]:
+        """(Inside index.write().) Digests with objects that no running tier uses:
+        looked at again every UNUSED_RECHECK_SECONDS."""
+        checked, unused = self._unused
+        if time.monotonic() - checked < UNUSED_RECHECK_SECONDS:
+            return unused
+        unused = [
+            digest
+            for digest, objects in index.digests().items()
+            if objects > 0 and digest != self.digest and not index.in_use(digest)
+        ]
+        self._unused = (time.monotonic(), unused)
+        return unused
+
+    def _reclaim_unused_folders(self, index: RootIndex) -> None:
+        """(Inside index.write(), which a tier taking a digest in use holds too.)
+        Remove the folder of every digest that holds no object and no tier uses:
+        what is left there is strays and dead writers' temporary files."""
+        counts = index.digests()
+        for digest in self.layout.digests():
+            if counts.get(digest, 0) > 0 or digest == self.digest or index.in_use(digest):
+                continue
+            shutil.rmtree(self.layout.digest_dir(digest), ignore_errors=True)
+            index.drop_digest(digest)
+            index.forget_user(digest)
+            log.info(
+                "disk tier %s: removed the folder of digest %s, which no running engine uses",
+                self.root,
+                digest,
+            )
+
+    def _sync(self, index: RootIndex) -> list[str]:
+        """(Inside index.write().) Write the recency of the reads since the last sync,
+        drop the entries of objects found gone, and read the removals of this tier's
+        objects by others: their keys."""
+        with self._lock:
+            recent, self._recent = self._recent, {}
+            lost, self._lost = self._lost, set()
+            self._synced = time.monotonic()
+        if recent:
+            index.mark_used(recent)
+        for key in lost:
+            if not os.path.exists(self.layout.path(key)):
+                index.remove(key, self._name)
+        self._seen, removed = index.removed_since(self._seen, self.digest, self._name)
+        return removed
+
+    def _sync_now(self) -> None:
+        """Sync from a reader: never waits for the index, whose next write takes it."""
+        try:
+            with self.index.write(wait=False) as index:
+                removed = self._sync(index)
+        except sqlite3.Error:
+            return
+        self._report(removed)
+
+    def _report(self, removed: list[str]) -> None:
+        """Tell the owner which of its objects left the root (an eviction here, or a
+        removal by another tier on the root)."""
+        if self._on_remove is None:
+            return
+        for key in removed:
+            if self._mine(key):
+                self._on_remove(key)
+
+    def get_into(self, key: str, out: memoryview, expect: PageShape | None = None) -> bool:
+        """Read one object's pages straight into `out` and verify them (and, given
+        `expect`, that they hold the reader's layers and shapes). A missing object is
+        False; a corrupt or mismatched one is removed, counted, and False."""
+        path = self.layout.path(key)
+        try:
+            with timed(TIER, "get", len(out)):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    self._read_verified(fd, key, out, expect)
+                finally:
+                    os.close(fd)
+        except (CorruptObject, OSError) as error:
+            self.missed(key, error)
+            return False
+        self._used(key)
+        return True
+
+    def open_pages(self, key: str, nbytes: int, expect: PageShape | None = None) -> DiskPages | None:
+        """Open one object to read its pages piece by piece (a disk hit read into the
+        paged KV during the forward), its header read and checked. The caller verifies
+        the pages it read against the header and closes it. A missing object is None;
+        a corrupt or mismatched header is removed, counted, and None."""
+        path = self.layout.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                head = os.pread(fd, DATA_ALIGN, 0)
+                header, offset = self._checked_header(fd, head, key, nbytes, expect)
+            except BaseException:
+                os.close(fd)
+                raise
+        except (CorruptObject, OSError) as error:
+            self.missed(key, error)
+            return None
+        self._used(key)
+        return DiskPages(key, fd, header, offset)
+
+    def missed(self, key: str, error: CorruptObject | OSError) -> None:
+        """A read of `key` that cannot be served, whatever the reader: a file gone
+        is forgotten; a corrupt one is counted, logged and removed, so it is a miss
+        from now on; an I/O error is counted and logged (the file may serve later)."""
+        if isinstance(error, FileNotFoundError):
+            self._forget(key)
+        elif isinstance(error, CorruptObject):
+            TIER_ERRORS.labels(TIER, "corrupt").inc()
+            log.warning("disk tier: corrupt object %s removed: %s", key, error)
+            self.delete(key)
+        else:
+            TIER_ERRORS.labels(TIER, "io").inc()
+            log.warning("disk tier: read of %s failed: %s", key, error)
+
+    @staticmethod
+    def _checked_header(
+        fd: int, head: bytes | bytearray, key: str, nbytes: int, expect: PageShape | None
+    ) -> tuple[ObjectHeader, int]:
+        """The object's header, checked against what the reader asked for, and where
+        its pages start. `head`: the file's first bytes as read (up to DATA_ALIGN);
+        a longer header is read from the file."""
+        length = header_length(bytes(head[:8]))
+        offset = 8 + length
+        if offset <= min(len(head), DATA_ALIGN):
+            header = decode_header(bytes(head[8:offset]))
+        else:
+            header = decode_header(os.pread(fd, length, 8))
+        check_header(header, key, nbytes)
+        if expect is not None:
+            expect.check(header)
+        return header, offset
+
+    def _used(self, key: str) -> None:
+        with self._lock:
+            self._recent[key] = time.time()
+            due = time.monotonic() - self._synced >= SYNC_SECONDS
+        if due:
+            self._sync_now()
+
+    def _read_verified(self, fd: int, key: str, out: memoryview, expect: PageShape | None = None) -> None:
+        """Fill `out` with the object's pages and check them against its header.
+
+        For the layout this tier writes (a DATA_ALIGN preamble, then the pages) one
+        read takes the preamble and the pages together, then one pass hashes them.
+        Reading in small chunks, each hashed while still in cache, measured slower
+        (docs/benchmarks-e2e.md, "A disk hit and an S3 hit, step by step"). Any other
+        layout reads the pages after the header. With an integrity key that one pass
+        is the MAC's."""
+        head = bytearray(DATA_ALIGN)
+        got = os.preadv(fd, [head, out], 0)
+        header, offset = self._checked_header(fd, head[: min(got, DATA_ALIGN)], key, len(out), expect)
+        # The first read already holds the start of the pages only in this tier's layout.
+        done = max(got - DATA_ALIGN, 0) if offset == DATA_ALIGN else 0
+        DiskTier._read_into(fd, out, offset, done)
+        verify(header, out, self.integrity_key)
+
+    @staticmethod
+    def _read_into(fd: int, out: memoryview, offset: int, done: int = 0) -> None:
+        """Read the rest of `out` (from byte `done`) from file offset `offset`."""
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CorruptObject(f"object truncated at {done} of {len(out)} bytes")
+            done += n
+
+    def read_header(self, key: str) -> ObjectHeader | None:
+        try:
+            with open(self.path_of(key), "rb") as f:
+                return decode_header(f.read(header_length(f.read(8))))
+        except (OSError, CorruptObject):
+            return None
+
+    def delete(self, key: str) -> bool:
+        """Remove one object; whether there was one."""
+        path = self.layout.path(key)
+        counted: int | None = None
+        unlinked = False
+        try:
+            with self.index.write() as index:
+                counted = index.remove(key, self._name)
+                self._stop_leaving(key)
+                unlinked = _unlink(path)
+                TIER_USAGE.labels(TIER).set(index.total())
+        except sqlite3.Error as error:
+            log.warning("disk tier: could not update the index for the removal of %s: %s", key, error)
+            unlinked = _unlink(path)  # its entry goes once found gone
+            with self._lock:
+                self._lost.add(key)
+        if counted is not None or unlinked:
+            self._report([key])
+            return True
+        return False
+
+    def _forget(self, key: str) -> None:
+        """An object whose file is already gone (another process evicted it, or a
+        hand removed it): reported now, its entry dropped with the next sync."""
+        self._stop_leaving(key)
+        with self._lock:
+            self._lost.add(key)
+        self._sync_now()
+        self._report([key])
+
+    def contains(self, key: str) -> bool:
+        try:
+            return self.index.has(key)
+        except sqlite3.Error:
+            return False
+
+    def close(self) -> None:
+        """Write what the reads learnt to the index and stop holding the digest in
+        use (what is on disk stays readable through this tier). Nothing else is held
+        open between calls: every write and read opens its file."""
+        with contextlib.suppress(sqlite3.Error):
+            with self.index.write() as index:
+                removed = self._sync(index)
+                self.linger_bytes = 0  # no load is planned from this tier any more
+                self._unlink_lingering(index)
+            self._report(removed)
+        while self._held:
+            os.close(self._held.pop())
+
+    def touch(self, key: str) -> None:
+        with contextlib.suppress(sqlite3.Error), self.index.write() as index:
+            index.mark_used({key: time.time()})
+        # Also the file's: a root whose index is lost is indexed again by mtime.
+        with contextlib.suppress(OSError):
+            now = time.time()
+            os.utime(self.path_of(key), (now, now))
+
+
+class DiskPages:
+    """One object open for reading, its header checked: the pages are read piece by
+    piece at offsets into them. The file stays readable while open, even if the tier
+    evicts it meanwhile (the unlink frees it at the close)."""
+
+    def __init__(self, key: str, fd: int, header: ObjectHeader, offset: int):
+        self.key = key
+        self.header = header
+        self._fd = fd
+        self._offset = offset  # of the pages in the file
+
+    def read(self, at: int, views: list[memoryview]) -> None:
+        """Fill `views`, in order, from the pages' byte `at` on; CorruptObject where
+        the file ends first."""
+        views = [view for view in views if len(view)]
+        while views:
+            got = os.preadv(self._fd, views, self._offset + at)
+            if got == 0:
+                raise CorruptObject(f"object {self.key} truncated before byte {at} of its pages")
+            at += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _close_tier(index: RootIndex, held: list[int]) -> None:
+    while held:
+        os.close(held.pop())  # the digest's lock goes with it
+    index.close()
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def _needed(victims: list[tuple[str, str, int]], over: int) -> int:
+    """How many of `victims`, in order, free at least `over` bytes (all if they cannot)."""
+    freed = 0
+    for count, (_, _, size) in enumerate(victims, 1):
+        freed += size
+        if freed >= over:
+            return count
+    return len(victims)
+
+
+def clear_stale_temp(path: str) -> bool:
+    """Remove temporary file `path` if no live writer holds it, in this process, another,
+    or another container: a writer holds an exclusive flock on its temporary file
+    from its creation to its rename, and the kernel drops the lock with the process,
+    however it dies (a pid in the name means nothing in another pid namespace).
+    Whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live writer's
+    else:
+        return _unlink(path)
+    finally:
+        os.close(fd)
+
+
+def prepare_root(root: str | Path) -> None:
+    """Make the tier's root folder if it is missing and check that a file can be
+    written in it: OSError if not, at start rather than at every store."""
+    _make_private_dirs(str(root))
+    probe = os.path.join(str(root), f"{TMP_PREFIX}{os.getpid()}-probe")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"tiercache")
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+def disk_root_problem(root: str | Path) -> str | None:
+    """Why a disk tier cannot use `root` (made if missing), or None when it can."""
+    try:
+        prepare_root(root)
+    except OSError as error:
+        return f"disk.path {str(root)!r} cannot be used ({error.strerror or error})"
+    return None
+
+
+def _make_private_dirs(path: str) -> None:
+    """os.makedirs(path, exist_ok=True), with each folder it makes DIR_MODE exactly:
+    mkdir's mode passes through the umask, so it is set again once made."""
+    missing = []
+    while path and not os.path.isdir(path):  # "": the top of a relative path
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:
+            continue  # made a moment ago by another writer, which makes it private too
+        os.chmod(folder, DIR_MODE)
+
+
+def _close_folders(digest_dir: Path) -> None:
+    """Make a digest's folder and its fan-out folders DIR_MODE (a tiercache before
+    this one made them with the umask's mode)."""
+    for folder in (digest_dir, *digest_dir.iterdir()):
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and S_IMODE(folder.stat().st_mode) != DIR_MODE:
+                folder.chmod(DIR_MODE)
+
+
+def _aligned(data: memoryview) -> bool:
+    if len(data) % DATA_ALIGN:
+        return False
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if not data.readonly else 1
+    return address % DATA_ALIGN == 0
+
+
+def _write_all(
+    fd: int, *parts: bytes | memoryview | mmap.mmap, pace: Callable[[], None] | None = None
+) -> None:
+    """Write `parts` in order with as few system calls as the kernel allows; with
+    `pace`, in pieces of at most PIECE_BYTES, calling it before each piece."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        if pace is not None:
+            pace()
+            written = os.writev(fd, _first_bytes(views, PIECE_BYTES))
+        else:
+            written = os.writev(fd, views)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+def _first_bytes(views: list[memoryview], limit: int) -> list[memoryview]:
+    """The leading `limit` bytes of `views`, as views (a multiple of the page size keeps
+    O_DIRECT writes aligned)."""
+    out, left = [], limit
+    for view in views:
+        if left <= 0:
+            break
+        out.append(view[:left])
+        left -= len(out[-1])
+    return out
