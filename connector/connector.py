@@ -505,8 +505,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # vLLM's hybrid KV cache manager calls this instead of request_finished. Stores
-        # copy out of every group's blocks before their step ends: nothing to hold.
+        # vLLM's hybrid KV cache manager calls this instead of request_finished: every
+        # group's blocks are kept alike while a store copy may read them.
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 

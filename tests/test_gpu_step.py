@@ -21,7 +21,7 @@ from tiercache.connector.copier import PagedKVCopier
 from tiercache.connector.metadata import FILLED, RELEASED, BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.scheduler import TierCacheScheduler
 from tiercache.connector.worker import TierCacheWorker
-from tiercache.keys import KVSpec
+from tiercache.index.keys import KVSpec
 
 from support.fake_cuda import FakeCopyStream
 from support.scheduler_steps import blocks_of, new_request, scheduler_output
