@@ -24,6 +24,7 @@ from tiercache.index.block_hashing import BlockHashing, shareable_seed
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.disk.tier import disk_root_problem
 
+from .graphs import full_graphs
 from .guard import HookGuard
 from .metadata import TierCacheMetadata, TierCacheWorkerMetadata
 from .prefix_reset import follow_prefix_cache_resets
@@ -145,6 +146,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 hashing=block_hashing(vllm_config, specs[0].block_size),
                 kv_events=bool(events is not None and events.enable_kv_cache_events),
                 kv_in_host_memory=current_platform.device_type == "cpu",
+                full_graphs=full_graphs(vllm_config),
             )
             self._gauges = GaugeReport("scheduler")
             self._guard_gauges = GaugeReport("scheduler-guard")
@@ -170,15 +172,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # On CUDA, hits are copied in layer by layer from `wait_for_layer_load` and
-        # stores copied out from `save_kv_layer`, each queuing work on the copy stream
-        # and event waits for the forward's stream. A full CUDA graph replay skips
-        # both hooks, so the forward would read layers not yet loaded. Whether the
-        # one-launch copy (and so the layer-by-layer path) works is known only once
-        # the KV caches are registered, long after vLLM picks the graph mode: ask for
-        # piecewise graphs always. On the CPU backend there are no CUDA graphs and
-        # vLLM never asks.
-        return True
+        # No configuration needs a layer hook inside a full CUDA graph replay: the
+        # scheduler marks each step that may be one (graphs.py), and the worker copies
+        # its hits in whole before the forward (the forward's stream waiting for them)
+        # and its stores out whole in `wait_for_save`, which vLLM calls outside the
+        # graph. Layer by layer copies stay for the piecewise steps (prefills), where
+        # vLLM calls the hooks. So vLLM keeps its full graphs for decode batches.
+        return False
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
@@ -316,7 +316,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             worker.fail_loads_in_flight,
             nothing,
         )
-        return None, done or None
+        # Failed, every request vLLM keeps blocks for is reported once the copies are
+        # over (a host wait, off the path of a step that went well): none is kept for ever.
+        sending = self._guarded(
+            "get_finished", worker.take_finished_sending, worker.drain_finished_sending, nothing
+        )
+        return sending or None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self.get_finished(finished_req_ids)
@@ -438,6 +443,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             scheduler.fail_step,
             TierCacheMetadata(),
         )
+        if not meta.finished_storing:  # a plan that failed may not have taken them
+            meta.finished_storing = scheduler.take_finished_storing()
         if self.guard.off and meta.stores:
             # Off: nothing is stored. (The loads go on: vLLM waits for those planned.)
             stores, meta.stores, meta.store_reads = meta.stores, [], {}
@@ -498,8 +505,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # vLLM's hybrid KV cache manager calls this instead of request_finished. Stores
-        # copy out of every group's blocks before their step ends: nothing to hold.
+        # vLLM's hybrid KV cache manager calls this instead of request_finished: every
+        # group's blocks are kept alike while a store copy may read them.
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 

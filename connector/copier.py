@@ -13,7 +13,8 @@ Three ways to copy, picked per copy:
 - direct: one strided copy per layer per run of consecutive blocks and slots (the CPU
   backend, where the "device" is host memory already).
 On CUDA the copies run on a dedicated stream ordered after the compute stream, and an
-event marks their end."""
+event marks their end; the worker queues them (`queue_to_slots`, `queue_from_slots`)
+and acts on the event when it reads done, never holding the host (sync.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from tiercache.tiers.cpu import CpuBuffer
 
+from . import sync
 from .fused_copy import FusedBlockCopy
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,10 @@ class PagedKVCopier:
         staged: bool | None = None,
         staging_bytes: int = STAGING_BYTES,
         fused: bool | None = None,
+        stream: sync.CopyStream | None = None,
     ):
+        """`stream`: a stand-in for the CUDA copy stream (tests drive the CUDA path's
+        ordering with it on CPU tensors); by default one is made on CUDA, none elsewhere."""
         if not kv_caches:
             raise ValueError("no KV cache tensors were registered")
         self.num_blocks = num_blocks
@@ -180,7 +185,7 @@ class PagedKVCopier:
         self.device = first.device
         self.dtype = first.dtype
         self.on_cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.stream = stream if stream is not None else sync.CopyStream(self.device) if self.on_cuda else None
         self.layer_numbers = {region.name: i for i, region in enumerate(regions)}
         # Both default to the CUDA path; tests force them on CPU tensors as its twin.
         self.staged = self.on_cuda if staged is None else staged
@@ -219,12 +224,35 @@ class PagedKVCopier:
         return raw.view(region.blocks.dtype).view(buffer.num_slots, *region.blocks.shape[1:])
 
     def to_slots(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer) -> None:
-        """Copy blocks out of the paged KV into CPU slots; returns when the copy is done."""
-        self._copy(block_ids, slots, buffer, out_of_kv=True)
+        """Copy blocks out of the paged KV into CPU slots; returns when the copy is done
+        (tools and tests: the worker queues its copies)."""
+        self._wait(self.queue_to_slots(block_ids, slots, buffer))
 
     def from_slots(self, slots: list[int], block_ids: list[int], buffer: CpuBuffer) -> None:
         """Copy CPU slots into blocks of the paged KV; returns when the copy is done."""
-        self._copy(block_ids, slots, buffer, out_of_kv=False)
+        self._wait(self.queue_from_slots(slots, block_ids, buffer))
+
+    def queue_to_slots(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer) -> sync.Event | None:
+        """Queue a copy of blocks out of the paged KV into CPU slots, after everything
+        the forward's stream has queued so far. The slots hold the blocks once the
+        returned event reads done (None: done already, as on the CPU backend)."""
+        return self._copy(block_ids, slots, buffer, out_of_kv=True)
+
+    def queue_from_slots(
+        self, slots: list[int], block_ids: list[int], buffer: CpuBuffer
+    ) -> sync.Event | None:
+        """Queue a copy of CPU slots into blocks of the paged KV; whatever the forward's
+        stream queues from now on runs after it. The slots may be reused once the
+        returned event reads done (None: done already)."""
+        done = self._copy(block_ids, slots, buffer, out_of_kv=False)
+        if done is not None and self.stream is not None:
+            self.stream.forward_waits(done)
+        return done
+
+    @staticmethod
+    def _wait(done: sync.Event | None) -> None:
+        if done is not None:
+            sync.host_wait(done)
 
     def one_launch(self, buffer: CpuBuffer) -> bool:
         """Whether copies with this buffer go through the one-launch kernel: the GPU
@@ -254,27 +282,24 @@ class PagedKVCopier:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with self.stream.after_forward():
             yield
 
-    def mark(self) -> torch.cuda.Event | None:
+    def mark(self) -> sync.Event | None:
         """An event at this point of the copy stream (None on the CPU backend, where
         queued work is already done)."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+        return self.stream.mark()
 
-    def _copy(self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool) -> None:
+    def _copy(
+        self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool
+    ) -> sync.Event | None:
         if not block_ids:
-            return
+            return None
         with self.queued_after_forward():
             self._copy_blocks(block_ids, slots, buffer, out_of_kv)
-            done = self.mark()
-        if done is not None:
-            done.synchronize()
+            return self.mark()
 
     def _copy_blocks(
         self, block_ids: list[int], slots: list[int], buffer: CpuBuffer, out_of_kv: bool
@@ -367,8 +392,8 @@ class PagedKVCopier:
 
     def _drain(self) -> None:
         """Wait for every kernel queued so far (warm-up runs before any forward)."""
-        if self.on_cuda:
-            torch.cuda.synchronize(self.device)
+        if self.on_cuda:  # the warm-up's copies ran on the current stream
+            sync.host_wait(torch.cuda.current_stream(self.device))
 
     @staticmethod
     def _stage_view(stage: torch.Tensor, region: LayerRegion, n: int) -> torch.Tensor:

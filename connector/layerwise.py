@@ -125,6 +125,16 @@ class LayerwiseLoad:
         if self._error is not None:
             raise self._error
 
+    def wait_all(self) -> None:
+        """Every layer in place (the CPU backend has no CUDA graph to order it in)."""
+        for name in self._order:
+            self.wait(name)
+
+    def end(self) -> None:
+        """As `finish`: the threads' copies are the host's own work, done when it returns
+        (the CUDA twin's `end` returns an event; here there is none)."""
+        self.finish()
+
     def finish(self) -> None:
         """Wait for every layer, and for the disk blocks' checks: the step's forward is
         over, or never asked."""

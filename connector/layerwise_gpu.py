@@ -9,25 +9,26 @@ Before a layer's attention the forward's stream waits for that layer's event, so
 GPU computes layer i while layer i+1 crosses PCIe and the host never blocks. A hit's
 time to first token becomes the longer of the copy and the forward, not their sum.
 
-`finish` holds the host until the last layer is in: the worker calls it at the end of
-the forward, before the slots go back to the CPU tier for reuse.
+At the end of the forward the worker calls `end`: the forward's stream waits for the
+whole load (a layer whose hook never came included), and the slots go back to the CPU
+tier once the returned event reads done, polled in a later hook (sync.py).
 
 Stores go the other way. vLLM calls `save_kv_layer` right after each attention layer
 has written its KV; the copy stream waits for that point of the forward's stream and
 copies the layer's new blocks out while the forward computes the next layers. At
 `wait_for_save` only the last layer's copy is left to wait for (and any layer whose
 hook did not come, copied then), so storing a prompt no longer adds its whole copy to
-the step.
+the step. `end` queues that rest and returns the event the slots are full at; the
+host does not wait for it.
 
 On CPU tensors (Triton's interpreter, in tests) the kernels run as they are queued
 and there is nothing to wait for: the same launches, checked the same way."""
 
 from __future__ import annotations
 
-import torch
-
 from tiercache.tiers.cpu import CpuBuffer
 
+from . import sync
 from .copier import PagedKVCopier
 
 # Programs (thread blocks) each layer's copy kernel runs on. A copy over PCIe keeps its
@@ -60,8 +61,8 @@ class StreamLayerwiseLoad:
     ):
         _require_one_launch(copier, buffer, "loads")
         assert copier.fused is not None  # one_launch says so
-        self._device = copier.device
-        self._ready: dict[str, torch.cuda.Event | None] = {}
+        self._stream = copier.stream
+        self._ready: dict[str, sync.Event | None] = {}
         # Blocks handed to this request may still be read by work queued before it.
         with copier.queued_after_forward():
             index, rows = copier.tables(block_ids, slots)
@@ -76,13 +77,27 @@ class StreamLayerwiseLoad:
         """Order the forward's next kernels after layer `name` is in place (a layer
         this load does not touch needs nothing). The host goes straight on."""
         ready = self._ready.get(name)
-        if ready is not None:
-            torch.cuda.current_stream(self._device).wait_event(ready)
+        if ready is not None and self._stream is not None:
+            self._stream.forward_waits(ready)
+
+    def wait_all(self) -> None:
+        """Order everything the forward's stream queues from now on after the whole
+        load (for a forward that calls no layer hook: a full CUDA graph replay)."""
+        if self._last is not None and self._stream is not None:
+            self._stream.forward_waits(self._last)
+
+    def end(self) -> sync.Event | None:
+        """The forward is queued: what the forward's stream queues from now on runs
+        after every layer is in. The slots may be reused once the returned event reads
+        done (None: they may now)."""
+        self.wait_all()
+        return self._last
 
     def finish(self) -> None:
-        """Return once every layer is in the paged KV."""
-        if self._last is not None:
-            self._last.synchronize()
+        """Return once every layer is in the paged KV (tools and tests)."""
+        done = self.end()
+        if done is not None:
+            sync.host_wait(done)
 
 
 class StreamLayerwiseSave:
@@ -114,13 +129,17 @@ class StreamLayerwiseSave:
             with self._copier.queued_after_forward():
                 self._gather(number, self._programs)
 
-    def finish(self) -> None:
-        """Copy the layers whose hook never came, then return once every layer is in
-        its slot."""
+    def end(self) -> sync.Event | None:
+        """Queue the layers whose hook never came; every layer is in its slot once the
+        returned event reads done (None: it is now)."""
         left, self._left = sorted(self._left.values()), {}
         with self._copier.queued_after_forward():
             for number in left:  # after the forward: every SM is free, so the full grid
                 self._gather(number, None)
-            done = self._copier.mark()
+            return self._copier.mark()
+
+    def finish(self) -> None:
+        """`end`, then return once every layer is in its slot (tools and tests)."""
+        done = self.end()
         if done is not None:
-            done.synchronize()
+            sync.host_wait(done)

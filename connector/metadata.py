@@ -55,6 +55,17 @@ class TierCacheMetadata(KVConnectorMetadata):
     # forward whose time to first token the write-down would slow as much as a
     # tiercache hit's, so the worker holds the write-down for it too (foreground.py).
     reuses_prefix: bool = False
+    # Requests vLLM finished whose GPU blocks it keeps (request_finished returned True)
+    # until each worker reports them in finished_sending: once no store copy out of
+    # their blocks is in flight on that worker.
+    finished_storing: list[str] = field(default_factory=list)
+    # The blocks of a request that stored may be freed and written again by this step's
+    # forward (a preemption; a sliding window or Mamba group freeing blocks as its
+    # request runs): the forward's stream waits for the store copies in flight first.
+    fence_stores: bool = False
+    # This step's forward may be one full CUDA graph replay, which calls no layer hook:
+    # its hits are copied in whole before it (connector/graphs.py).
+    full_graph: bool = False
 
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank

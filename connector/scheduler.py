@@ -32,6 +32,7 @@ from tiercache.tiers.disk.tier import DiskLayout
 
 from .cost_model import LoadCostModel
 from .events import TierEvents
+from .graphs import FullGraphs
 from .groups import FULL, NULL_BLOCK, STATE, WINDOW, best_end, group_key, group_rules
 from .ledger import ReportLedger
 from .load_failures import RecentLoadFailures
@@ -153,13 +154,23 @@ class TierCacheScheduler:
         hashing: BlockHashing | None = None,
         kv_events: bool = False,
         kv_in_host_memory: bool = False,
+        full_graphs: FullGraphs | None = None,
     ):
         """`hashing`: how vLLM names this deployment's blocks, registered for the
         service's token lookups; `kv_events`: vLLM publishes KV events, so tier
         changes are kept for `take_events`; `kv_in_host_memory`: the paged KV is in
         host memory (vLLM's CPU backend), where disk hits may be read into it during
-        the forward."""
+        the forward, and a store's copy is over when its hook returns; `full_graphs`:
+        which steps vLLM may run as full CUDA graph replays (graphs.py)."""
         self.config = config
+        self.kv_in_host_memory = kv_in_host_memory
+        self.full_graphs = full_graphs
+        # Requests with store copies planned since they last started (CUDA: a copy may
+        # still read their blocks after their step), and those of them vLLM finished,
+        # keeping their blocks until the workers report them (request_finished).
+        self._storing: set[str] = set()
+        self._finished_storing: list[str] = []
+        self._stored_last_step = False
         # A hit with no S3 block then loads synchronously, its disk blocks through no
         # CPU slot (connector/disk_reads.py).
         self.disk_in_forward = reads_disk_in_forward(config, kv_in_host_memory, tp_size=specs[0].tp_size)
@@ -699,6 +710,7 @@ class TierCacheScheduler:
                 state.block_ids = state.group_block_ids[0]
             self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
         self._note_store_reads(meta)
+        self._order_copies(scheduler_output, meta)
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
@@ -706,6 +718,32 @@ class TierCacheScheduler:
         self._hit_tiers.clear()
         self._building = None
         return meta
+
+    def _order_copies(self, output: SchedulerOutput, meta: TierCacheMetadata) -> None:
+        """What the workers need to order this step's copies on the GPU without
+        waiting for them (connector/sync.py)."""
+        meta.full_graph = self.full_graphs is not None and self.full_graphs.may_replay(
+            output.num_scheduled_tokens
+        )
+        if self.kv_in_host_memory:
+            return  # every copy is over when its hook returns
+        # vLLM frees a preempted request's blocks at once, with no say for the
+        # connector (Scheduler._preempt_request calls no connector hook that could
+        # delay it): this step's forward may write them, so it waits on the GPU for
+        # the store copies still reading them. The same holds when a sliding window
+        # or Mamba group frees blocks of a running request.
+        preempted = self._storing.intersection(getattr(output, "preempted_req_ids", None) or ())
+        meta.fence_stores = bool(preempted) or (self.hybrid and self._stored_last_step)
+        self._storing -= preempted  # their copies are fenced: nothing left to delay
+        self._storing.update(op.req_id for op in meta.stores)
+        self._stored_last_step = bool(meta.stores)
+        meta.finished_storing, self._finished_storing = self._finished_storing, []
+
+    def take_finished_storing(self) -> list[str]:
+        """The requests whose blocks vLLM keeps for the workers and not yet told them
+        of (a step whose plan failed carries them instead)."""
+        finished, self._finished_storing = self._finished_storing, []
+        return finished
 
     def _note_store_reads(self, meta: TierCacheMetadata) -> None:
         """Which of this step's synchronous loads each storing request reads. vLLM's
@@ -834,10 +872,18 @@ class TierCacheScheduler:
             self.load_failures.add(value)
 
     def request_finished(self, request: Request) -> tuple[bool, None]:
-        # Stores copy out of the paged KV before the step ends: nothing to hold.
-        self._requests.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
-        return False, None
+        """vLLM keeps the request's blocks (True) while a store copy may still read
+        them: on CUDA, where a step's copies end after its hooks returned, for a request
+        that stored since it last started. The workers report it in finished_sending
+        once those copies are over (TierCacheWorker.take_finished_sending)."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        if req_id not in self._storing:
+            return False, None
+        self._storing.discard(req_id)
+        self._finished_storing.append(req_id)
+        return True, None
 
     def gauges(self) -> dict[str, int]:
         """What must come back to zero once traffic stops, for vLLM's /metrics: CPU
@@ -865,7 +911,7 @@ class TierCacheScheduler:
             ops = [BlockOp(op.block_hash, op.gpu_block, -1, "") for op in job.ops]
             failed.append(LoadJob(job.req_id, ops, job.is_async))
         self.drop_stores(stores)
-        return TierCacheMetadata(loads=failed)
+        return TierCacheMetadata(loads=failed, finished_storing=self.take_finished_storing())
 
     def plan_failed_load(self, req_id: str, gpu_blocks: list[int], is_async: bool) -> None:
         """`update_state_after_alloc` raised for a request vLLM now expects `gpu_blocks`

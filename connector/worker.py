@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from tiercache.threads import helper_thread
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
+from . import sync
 from .copier import PagedKVCopier
 from .disk_reads import DiskRead, DiskReads
 from .forward_timer import ForwardTimer
@@ -64,8 +66,7 @@ def _settled(filled: bool) -> Future:
     return future
 
 
-# The fill of a slot by a store, whose copy is over once the step's save is: made or void.
-_STORED = _settled(True)
+# The fill of a slot by a store made void (its block computed over a failed load).
 _VOID = _settled(False)
 
 
@@ -101,6 +102,18 @@ class _AsyncLoad:
     def waits_on(self) -> list[Future]:
         fills = [fill.future for _, fill in self.after_fills if fill is not None]
         return [future for _, _, future in self.staged] + fills
+
+
+@dataclass
+class _InFlight:
+    """Copies queued on the copy stream up to `event`, and what waits for them to be
+    over: `settle` (hand store slots to the movers, give load slots back), the
+    requests whose blocks they read, and those requests' S3 runs to end after."""
+
+    event: sync.Event
+    settle: Callable[[], None]
+    req_ids: set[str] = field(default_factory=set)
+    ends: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +203,16 @@ class TierCacheWorker:
         # `restore_kv_caches` (sleep mode), and how the dropped copier copied.
         self._registered_kv: dict[str, torch.Tensor] | None = None
         self._unregistered_copier: tuple[bool, bool, tuple[str, str, str]] | None = None
+        # Copies on the copy stream whose end is yet to be seen, oldest first (CUDA):
+        # polled in the hooks, never waited for on the step path (sync.py).
+        self._in_flight: list[_InFlight] = []
+        # Requests vLLM keeps the blocks of until reported in finished_sending.
+        self._awaiting_sending: set[str] = set()
+        self._noted: TierCacheMetadata | None = None  # the step _note_step saw last
+        self._fenced: TierCacheMetadata | None = None  # the step _fence_before_forward saw last
+        # The old way, for benchmarks/gpu_step.py's comparison only: hold the host until
+        # each copy is over, in the hook that queued it.
+        self._host_waits_for_copies = False
 
     # -- setup --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], expected_slot_bytes: int) -> None:
@@ -277,8 +300,7 @@ class TierCacheWorker:
         steps, self._layerwise = self._layerwise, []
         for step in steps:
             self._end_load(step)
-        if copier.stream is not None:
-            copier.stream.synchronize()
+        self._drain_copies()  # not a step: sleep mode unmaps the memory they touch
         self._unregistered_copier = (copier.staged, copier.fused is not None, copier.describe())
         self.copier = None
 
@@ -325,11 +347,11 @@ class TierCacheWorker:
         if self.engine is None or not meta.write_backs:
             return
         assert self.copier is not None and self.buffer is not None  # set with the engine
-        if self.copier.stream is not None:
-            # Copies queued in earlier steps may still touch these slots (the
-            # scheduler frees a slot only once they are reported done); waiting for the
-            # copy stream to drain makes sure, and happens only in steps that evict.
-            self.copier.stream.synchronize()
+        # No copy still touches a victim's slot: a slot is reported filled or released
+        # only once the copy into or out of it has been seen over (_poll_copies), and
+        # the scheduler evicts only slots so reported.
+        if self._host_waits_for_copies and self.copier.stream is not None:
+            sync.host_wait(self.copier.stream)
         for block_hash, slot in meta.write_backs:
             # The slot is reused this step: write the old block down from a copy.
             data = bytes(self.buffer.view(slot))
@@ -346,6 +368,8 @@ class TierCacheWorker:
         (about 2 ms, of which the helper gets about 1): less of the copy then shares the
         memory bus with the forward (docs/benchmarks-e2e.md, "Runs 27 to 29")."""
         self._arrived = meta
+        self._note_step(meta)
+        self._fence_before_forward(meta)
         if self.engine is None:
             return
         if self._holds_for(meta):
@@ -363,12 +387,14 @@ class TierCacheWorker:
         self._loads_started = meta
         cpu_hits = [job for job in meta.loads if not job.is_async]
         if cpu_hits:
-            self._load_cpu_hits(cpu_hits)
+            self._load_cpu_hits(cpu_hits, whole=meta.full_graph)
 
     def forward_begins(self, meta: TierCacheMetadata) -> None:
         """vLLM bound this step's metadata: its forward starts now."""
         if self._forward_timer is not None:
             self._forward_timer.begin(meta.timed_tokens)
+        self._note_step(meta)
+        self._fence_before_forward(meta)
         # vLLM hands every step over first, and step_arrives decided on the hold then;
         # a caller that only binds (the replay of recorded calls) decides here.
         if meta is not self._arrived and self.engine is not None and self._holds_for(meta):
@@ -389,6 +415,8 @@ class TierCacheWorker:
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
+        self._note_step(meta)
+        self._poll_copies()
         if self.engine is None or self.copier is None:  # no KV, or unmapped for sleep mode
             self._fail_all(meta)
             return
@@ -421,14 +449,15 @@ class TierCacheWorker:
                 load.after_fills.append((op, fill if known else None))
         return load
 
-    def _load_cpu_hits(self, jobs: list[LoadJob]) -> None:
+    def _load_cpu_hits(self, jobs: list[LoadJob], whole: bool = False) -> None:
         """This step's synchronous hits: in the CPU tier, and on disk where read in the
         forward. Layer by layer beside the forward when that is known to be safe, else
-        now, before the forward."""
+        now, before the forward. `whole`: the forward may be a full CUDA graph replay,
+        which calls no layer hook: copied whole, the forward's stream waiting for it."""
         started = time.perf_counter()
         opened = self._open_disk_reads(jobs)
         staged_ok = {id(op): id(op) in opened for job in jobs for op in job.ops if reads_in_forward(op)}
-        if not self._layerwise_ready() and not opened:
+        if (whole or not self._layerwise_ready()) and not opened:
             for job in jobs:
                 self._finish_load(job.ops, staged_ok)
             self._stats.observe_load(CPU, time.perf_counter() - started)
@@ -534,10 +563,11 @@ class TierCacheWorker:
             log.info("tiercache: loading hits into the paged KV layer by layer during the forward")
 
     def _end_load(self, step: _LayerwiseStep) -> None:
-        """Wait for a layer-by-layer load to be in the paged KV; report its disk blocks
-        that did not load as failed (vLLM recomputes them, and drops what this step
-        computed from them)."""
-        step.load.finish()
+        """A layer-by-layer load's forward is queued: the rest of the forward's stream
+        waits for the whole load (CUDA), and its slots go back once it is over; report
+        its disk blocks that did not load as failed (vLLM recomputes them, and drops
+        what this step computed from them)."""
+        done = step.load.end()
         if step.disk is not None:
             failed = step.disk.failed()
             step.disk.close()
@@ -549,7 +579,7 @@ class TierCacheWorker:
                     self._emit(READ_FAILED, op.block_hash)
         if step.started is not None:
             self._stats.observe_load(CPU, time.perf_counter() - step.started)
-        self._release(step.ops, step.staged_ok)
+        self._after_copy(done, lambda: self._release(step.ops, step.staged_ok))
 
     def _poll_async(self) -> None:
         """Load what staging finished; give up on loads past their deadline. Each load
@@ -672,10 +702,12 @@ class TierCacheWorker:
     def _finish_load(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> None:
         """Copy the good blocks into the paged KV; report the rest as failed."""
         good = self._good_prefix(ops, staged_ok)
+        done = None
         if good:
             assert self.copier is not None and self.buffer is not None  # loads run with an engine
-            self.copier.from_slots([op.slot for op in good], [op.gpu_block for op in good], self.buffer)
-        self._release(ops, staged_ok)
+            slots, blocks = [op.slot for op in good], [op.gpu_block for op in good]
+            done = self.copier.queue_from_slots(slots, blocks, self.buffer)
+        self._after_copy(done, lambda: self._release(ops, staged_ok))
 
     def _good_prefix(self, ops: list[BlockOp], staged_ok: dict[int, bool]) -> list[BlockOp]:
         """The blocks to load, counted; the rest reported as failed. Blocks after a
@@ -750,6 +782,7 @@ class TierCacheWorker:
     def track(self, meta: TierCacheMetadata) -> None:
         """The connector hands each step's metadata here before any hook of the step
         runs: its ops are owed a release (or a failure report) until settled."""
+        self._note_step(meta)
         if meta is self._tracked:
             return
         self._tracked = meta
@@ -774,6 +807,8 @@ class TierCacheWorker:
                 self._quietly(step.disk.close)
         if saving is not None:
             self._quietly(saving.finish)
+        # Not a step that went well: the host may wait, and settles every copy first.
+        self._quietly(self._drain_copies)
         self._layers_this_step = []
         jobs = {id(job) for job in meta.loads}
         for load in [load for load in self._async if id(load.job) in jobs]:
@@ -829,7 +864,7 @@ class TierCacheWorker:
         """vLLM calls this after each attention layer. On CUDA that layer's share of the
         step's stores starts for the CPU tier now, beside the rest of the forward
         (layerwise_gpu.py); elsewhere stores are copied whole in `wait_for_save`."""
-        if self.engine is None or not meta.stores or not self._stream_copies():
+        if self.engine is None or not meta.stores or not self._stream_copies() or meta.full_graph:
             return
         self._begin_step(meta)
         if self._saving is None:
@@ -855,28 +890,45 @@ class TierCacheWorker:
         """The step's forward is over: finish its loads, then copy out its stores."""
         if self._forward_timer is not None:
             self._forward_timer.end()
+        self._note_step(meta)
         self._end_of_forward()
         saving, self._saving = self._saving, None
         if self.engine is None or self.copier is None:
             return
         if not meta.stores:
             self._end_groups(meta)
+            self._poll_copies()
             return
         self._begin_step(meta)
         void = self._computed_over_failed_loads(meta)
         ops = [op for op in meta.stores if op.req_id not in void]
+        done = None
         if saving is not None:
-            saving.finish()
+            done = saving.end()
         elif ops:
             assert self.copier is not None and self.buffer is not None  # set with the engine
-            self.copier.to_slots([op.gpu_block for op in ops], [op.slot for op in ops], self.buffer)
+            blocks, slots = [op.gpu_block for op in ops], [op.slot for op in ops]
+            done = self.copier.queue_to_slots(blocks, slots, self.buffer)
+        # A load planned to share one of these fills waits for it (_AsyncLoad.waits_on).
+        stored: Future = Future()
         for op in meta.stores:
-            self._fills[op.slot] = _Fill(op.block_hash, _VOID if op.req_id in void else _STORED)
+            self._fills[op.slot] = _Fill(op.block_hash, _VOID if op.req_id in void else stored)
+        self._stats.add("stored_blocks", len(ops))
+        requests = {op.req_id for op in meta.stores}
+        self._after_copy(done, lambda: self._hand_over_stores(meta, ops, void, stored), requests)
+        self._poll_copies()
+
+    def _hand_over_stores(
+        self, meta: TierCacheMetadata, ops: list[BlockOp], void: set[str], stored: Future
+    ) -> None:
+        """The step's store copies are over: each slot goes to the movers (or back)."""
+        stored.set_result([True])
+        for op in meta.stores:
             if op.req_id in void:
                 self._owed.pop(id(op), None)
                 self._emit(STORE_VOID, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
-        self._stats.add("stored_blocks", len(ops))
+        assert self.engine is not None  # copies are queued only with an engine
         # Under write-back a stored block goes down only when the CPU tier evicts it
         # (the scheduler's write-backs, `_begin_step`).
         writes_through = self.writes_lower_tiers and self.config.movers.policy != "write_back"
@@ -895,6 +947,79 @@ class TierCacheWorker:
             self._owed.pop(id(op), None)
         self._end_groups(meta)
 
+    # -- copies in flight (CUDA) --------------------------------------------------------
+    def _after_copy(self, done: sync.Event | None, settle: Callable[[], None], req_ids=()) -> None:
+        """Run `settle` once the copies queued up to `done` are over: now if they are
+        (no event: the CPU backend's copies end as they return), else from the hook that
+        first sees the event done (_poll_copies)."""
+        if done is None:
+            settle()
+        elif self._host_waits_for_copies:
+            sync.host_wait(done)
+            settle()
+        else:
+            self._in_flight.append(_InFlight(done, settle, set(req_ids)))
+
+    def _poll_copies(self) -> None:
+        """Settle the copies seen over, oldest first (the copy stream runs them in
+        order, so the first not over ends the look)."""
+        while self._in_flight and self._in_flight[0].event.query():
+            self._settle(self._in_flight.pop(0))
+
+    def _settle(self, copy: _InFlight) -> None:
+        copy.settle()
+        for req_id in copy.ends:
+            self._end_group(req_id)
+
+    def _drain_copies(self) -> None:
+        """Wait for every copy in flight and settle it: never on the step path (sleep
+        mode's unmapping, a failed step, shutdown)."""
+        while self._in_flight:
+            copy = self._in_flight.pop(0)
+            sync.host_wait(copy.event)
+            self._settle(copy)
+
+    def _note_step(self, meta: TierCacheMetadata) -> None:
+        """Once per step, from its first hook: the requests vLLM now keeps the blocks of
+        until this worker reports them (finished_sending)."""
+        if meta is self._noted:
+            return
+        self._noted = meta
+        self._awaiting_sending.update(meta.finished_storing)
+
+    def _fence_before_forward(self, meta: TierCacheMetadata) -> None:
+        """Before the step's forward is queued (and before vLLM prepares its inputs):
+        where blocks a store copy still reads may be written by it, the forward's stream
+        waits for the copies in flight; where it may be a full CUDA graph replay, for
+        the hits staged for it layer by layer (a replay calls no layer hook)."""
+        if meta is self._fenced or self.copier is None or self.copier.stream is None:
+            return
+        self._fenced = meta
+        if meta.fence_stores and self._in_flight:
+            # The copy stream runs in order: its newest event covers the older ones.
+            self.copier.stream.forward_waits(self._in_flight[-1].event)
+        if meta.full_graph:
+            for step in self._layerwise:
+                step.load.wait_all()
+
+    def drain_finished_sending(self) -> set[str]:
+        """`take_finished_sending` raised: wait for every copy (not a step that went
+        well) and report every request waiting for them."""
+        while self._in_flight:
+            copy = self._in_flight.pop(0)
+            self._quietly(lambda copy=copy: sync.host_wait(copy.event))
+            self._quietly(lambda copy=copy: self._settle(copy))
+        done, self._awaiting_sending = self._awaiting_sending, set()
+        return done
+
+    def take_finished_sending(self) -> set[str]:
+        """Requests vLLM kept the blocks of that no store copy reads any more."""
+        self._poll_copies()
+        reading = {req_id for copy in self._in_flight for req_id in copy.req_ids}
+        done = self._awaiting_sending - reading
+        self._awaiting_sending -= done
+        return done
+
     def _computed_over_failed_loads(self, meta: TierCacheMetadata) -> set[str]:
         """Requests of this step that read a block whose synchronous load failed (a
         disk read that failed its check, a block gone before the step), whether they
@@ -907,9 +1032,16 @@ class TierCacheWorker:
 
     def _end_groups(self, meta: TierCacheMetadata) -> None:
         """Requests whose stores are all queued now: their partial S3 runs may ship."""
-        if self.engine is None:
-            return
         for req_id in meta.stores_done:
+            self._end_group(req_id)
+
+    def _end_group(self, req_id: str) -> None:
+        """The request's partial S3 run ships once its last blocks reach the movers:
+        now, or when the copies out of its blocks are over."""
+        copying = [copy for copy in self._in_flight if req_id in copy.req_ids]
+        if copying:
+            copying[-1].ends.append(req_id)
+        elif self.engine is not None:
             self.engine.end_group(req_id)
 
     def _after_write(self, result: WriteResult) -> None:
@@ -934,12 +1066,13 @@ class TierCacheWorker:
             # than the grace its token needs.
             self.engine.foreground.release_after(OUTPUT_GRACE)
             for req_id in finished_req_ids:
-                self.engine.end_group(req_id)
+                self._end_group(req_id)
         if self._idle_step:
             self._idle_step = False
             staging = [future for load in self._async for future in load.waits_on()]
             if staging:
                 wait(staging, timeout=IDLE_STEP_WAIT_SECONDS, return_when=FIRST_COMPLETED)
+        self._poll_copies()
         self._poll_async()
         done, self._finished_recving = self._finished_recving, set()
         return done
@@ -978,6 +1111,7 @@ class TierCacheWorker:
         return stats
 
     def shutdown(self) -> None:
+        self._drain_copies()
         if self._layer_helper is not None:
             self._layer_helper.shutdown(wait=True)
         if self.engine is not None:

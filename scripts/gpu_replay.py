@@ -18,7 +18,8 @@ each broken variant fails, which shows that the check sees what it is there to s
 
 The last two exist on CUDA only. It also counts the host synchronisations inside the
 worker's per-layer hooks (`wait_for_layer_load`, `save_kv_layer`), which should be
-none: each would hold vLLM's host thread mid-forward.
+none: each would hold vLLM's host thread mid-forward; an explicit wait for the GPU
+(connector/sync.host_wait) in any hook of a step fails the replay.
 
 Needs torch, Triton, a CUDA GPU, redis-server (on PATH) and tiercache's Python
 dependencies; no vLLM, no install of tiercache:
@@ -76,7 +77,7 @@ def copies_not_after_forward():
         if self.stream is None:
             yield
             return
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream.stream):
             yield
 
     copier_module.PagedKVCopier.queued_after_forward = unordered
@@ -125,6 +126,9 @@ def replay_once(recording, layout, tiers_for, device, cycles, **kwargs) -> dict[
         # Host synchronisations inside vLLM's per-layer hooks (CUDA): each one would
         # hold vLLM's host thread mid-forward until the GPU caught up.
         "hook_syncs": dict(result.hook_syncs),
+        # Explicit waits for the GPU in any hook (connector/sync.host_wait): the replay
+        # fails on the first, so a run that passed counted none.
+        "hook_waits": dict(result.hook_waits),
         "sync_sites": dict(result.sync_sites),
     }
 

@@ -194,7 +194,7 @@ HOOKS = {
     "wait_for_layer_load": ("worker", "wait_for_layer"),
     "save_kv_layer": ("worker", "save_layer"),
     "wait_for_save": ("worker", "wait_for_save"),
-    "wait_for_save, copying stores out": ("worker", "copier.to_slots"),
+    "wait_for_save, copying stores out": ("worker", "copier.queue_to_slots"),
     "get_finished": ("worker", "get_finished"),
     "get_block_ids_with_load_errors": ("worker", "take_failed_blocks"),
     "build_connector_worker_meta": ("worker", "take_worker_meta"),

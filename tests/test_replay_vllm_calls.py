@@ -7,7 +7,9 @@ preemptions and aborts. Here the worker half replays them without vLLM, on CPU
 tensors in FlashAttention's and FlashInfer's GPU layouts, copied by the CPU backend's
 threads or by the CUDA path's kernels under Triton's interpreter; the forward checks,
 layer by layer, that every block it reads holds the KV of its block hash
-(tests/support/replay.py). On a lent GPU, scripts/gpu_replay.py runs the same
+(tests/support/replay.py). The CUDA path's twin runs with a stand-in for the copy
+stream whose events read done only later (tests/support/fake_cuda.py), and no hook
+may wait for the GPU. On a lent GPU, scripts/gpu_replay.py runs the same
 replay on CUDA tensors, where the CUDA streams and events are exercised too."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from tiercache.connector import worker as worker_module
 from tiercache.connector.copier import PagedKVCopier
 
+from support.fake_cuda import FakeCopyStream
 from support.replay import Replay, expected_result, recorded_reports, with_swapped_slots
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,16 +115,26 @@ def test_the_recording_shows_vllms_gpu_call_order(recording):
 
 @pytest.fixture(params=["threads (CPU backend)", "per-layer kernels (CUDA path's twin)"])
 def copy_path(request, monkeypatch):
+    """The copy path, and the stand-in copy stream it runs on (None: none)."""
+    stream = None
     if request.param.startswith("per-layer"):
         request.getfixturevalue("interpreted")
-        kernels = functools.partial(PagedKVCopier, staged=True, fused=True)
+        stream = FakeCopyStream(lag=1)  # each event reads done a query after it is first asked
+        kernels = functools.partial(PagedKVCopier, staged=True, fused=True, stream=stream)
         monkeypatch.setattr(worker_module, "PagedKVCopier", kernels)
-    return request.param
+    return request.param, stream
 
 
 @pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
 def test_replay_in_vllms_order_reads_every_block_as_written(recording, tiers, layout, copy_path):
-    result = Replay(recording, layout, tiers).run()
+    _, stream = copy_path
+    result = Replay(recording, layout, tiers).run()  # fails should any hook wait for the GPU
+    assert not result.hook_waits
+    if stream is not None:
+        # Copies were ordered by events: stores and loads marked, the forward made to
+        # wait for loads, and nothing waited for on the host until shutdown.
+        assert len(stream.events) > 10 and stream.forward_waited
+        assert stream.host_waits <= 1  # shutdown's drain, if anything was left
     expected = expected_result(recording)
     assert result.steps == expected["steps"]
     # Every loaded block, checked at every layer of every forward that reads it.
@@ -149,6 +162,18 @@ def test_replay_fails_when_a_load_puts_the_wrong_bytes_in_a_block(recording, tie
     """Two blocks of the first CPU hit swap slots: each gets the other's KV."""
     with pytest.raises(AssertionError, match="loaded from cpu.*does not hold its KV"):
         Replay(with_swapped_slots(recording), "flash_attn", tiers).run()
+
+
+def test_replay_fails_when_a_hook_waits_for_the_gpu(recording, tiers, interpreted, monkeypatch):
+    """The old way, each copy waited for in the hook that queued it (kept for
+    benchmarks/gpu_step.py): the replay names the first hook that held the host."""
+    stream = FakeCopyStream(lag=1)
+    kernels = functools.partial(PagedKVCopier, staged=True, fused=True, stream=stream)
+    monkeypatch.setattr(worker_module, "PagedKVCopier", kernels)
+    replay = Replay(recording, "flash_attn", tiers)
+    replay.worker._host_waits_for_copies = True
+    with pytest.raises(AssertionError, match=r"step \d+: \w+ waited for the GPU"):
+        replay.run()
 
 
 def test_the_gpu_replay_script_passes_on_the_cpu_backend(tmp_path):

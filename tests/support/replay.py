@@ -30,7 +30,12 @@ ordered against the forward shows up as wrong KV, as it would in vLLM, instead o
 being hidden by a host synchronisation. The stand-in forward runs under torch's sync
 debug mode set to fail, so that it cannot synchronise by accident (an upload from
 pageable memory would); the worker's per-layer hooks run under it set to warn, and
-`ReplayResult.hook_syncs` counts what they synchronised. `attention_cycles` adds that
+`ReplayResult.hook_syncs` counts what they synchronised. Explicit waits
+(`connector/sync.host_wait`, the one place the worker holds the host for the GPU)
+fail the replay in any hook of a step: stores and loads must be ordered by events
+and polled, never waited for. (`host_waits_for_copies` brings back the old way, each
+copy waited for in the hook that queued it, for benchmarks/gpu_step.py to compare:
+its waits are counted, not failed.) `attention_cycles` adds that
 much GPU sleep to each layer's attention, between its reads and its writes, as a
 longer forward would: a store copied before the forward wrote its layer then copies
 stale KV."""
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import traceback
 import warnings
 from collections import Counter
@@ -52,6 +58,7 @@ from typing import Any
 import torch
 
 from tiercache.config import build_config
+from tiercache.connector import sync
 from tiercache.connector.metadata import BlockOp, LoadJob, TierCacheMetadata
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.index.keys import KVSpec
@@ -108,6 +115,9 @@ class ReplayResult:
     reports: Counter = field(default_factory=Counter)  # (kind, value) -> count
     hook_syncs: Counter = field(default_factory=Counter)  # per-layer hook -> host synchronisations (CUDA)
     sync_sites: Counter = field(default_factory=Counter)  # the call stack of each, innermost last
+    hook_waits: Counter = field(default_factory=Counter)  # hook -> explicit host waits (sync.host_wait)
+    hook_seconds: dict[str, float] = field(default_factory=dict)  # hook -> host time spent in it
+    step_seconds: list[float] = field(default_factory=list)  # each step, bind to its worker metadata
 
 
 class _GatedStaging:
@@ -151,7 +161,11 @@ class Replay:
         loads_after_forward: bool = False,
         device: str = "cpu",
         attention_cycles: int = 0,
+        host_waits_for_copies: bool = False,
+        check_reads: bool = True,
     ):
+        """`check_reads`: False leaves out the read checks, whose
+        read-back holds the host at each step's end (benchmarks time the hooks alone)."""
         self.recording = recording
         self.calls = recording["workers"][rank]
         self.schedule = {step["step"]: step for step in recording["schedule"]}
@@ -206,6 +220,11 @@ class Replay:
             writes_lower_tiers=True,
             disk_share=config.disk.capacity if config.disk else 0,
         )
+        self.worker._host_waits_for_copies = host_waits_for_copies
+        self.host_waits_for_copies = host_waits_for_copies
+        self.check_reads = check_reads
+        self._hook: str | None = None  # the worker hook running now, if any
+        self._step_number = 0
         self._contents: dict[tuple[int, int], torch.Tensor] = {}
         # Per layer of the step's forward: what it read, and a device tensor saying
         # which of those reads found the wrong KV (read back when the forward is over).
@@ -251,6 +270,30 @@ class Replay:
         if hook is not None:
             self.result.hook_syncs[hook] += len(stacks)
             self.result.sync_sites.update(stacks)
+
+    @contextmanager
+    def _in_hook(self, hook: str) -> Iterator[None]:
+        """A worker hook of vLLM's step path: timed, and its explicit waits counted."""
+        self._hook = hook
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = self.result.hook_seconds
+            seconds[hook] = seconds.get(hook, 0.0) + time.perf_counter() - started
+            self._hook = None
+
+    def _host_wait(self, target: Any) -> None:
+        """Stands in for `sync.host_wait` while the replay runs."""
+        hook = self._hook
+        if hook is not None:
+            self.result.hook_waits[hook] += 1
+            if not self.host_waits_for_copies:
+                raise AssertionError(
+                    f"step {self._step_number}: {hook} waited for the GPU (sync.host_wait): a hook of "
+                    "the step path must order its copies by events, never hold the host"
+                )
+        self._real_host_wait(target)
 
     # -- the forward ----------------------------------------------------------------
     def _attention(self, step: dict[str, Any], name: str) -> None:
@@ -302,6 +345,9 @@ class Replay:
         staging: _GatedStaging | None = None
         deferred_start = False
         in_forward = False
+        step_started = time.perf_counter()
+        self._real_host_wait = sync.host_wait
+        sync.host_wait = self._host_wait  # counted, see _host_wait
         try:
             for call in self.calls:
                 name = call[0]
@@ -314,7 +360,10 @@ class Replay:
                 elif name == "bind":
                     meta = decode_meta(call[1])
                     step = self.schedule[call[1]["step"]]
-                    worker.forward_begins(meta)  # as the connector does when vLLM binds
+                    self._step_number = step["step"]
+                    step_started = time.perf_counter()
+                    with self._in_hook("bind_connector_metadata"):
+                        worker.forward_begins(meta)  # as the connector does when vLLM binds
                     in_forward = False
                     self.result.steps += 1
                 elif name == "start_load_kv":
@@ -325,38 +374,45 @@ class Replay:
                     self._start(meta, staging)
                 elif name == "wait_for_layer_load":
                     in_forward = True
-                    with self._syncs("warn", name):
+                    with self._syncs("warn", name), self._in_hook(name):
                         worker.wait_for_layer(call[1])
                     with self._syncs("error"):
                         self._attention(step, call[1])
                 elif name == "save_kv_layer":
                     assert meta is not None, BOUND
-                    with self._syncs("warn", name):
+                    with self._syncs("warn", name), self._in_hook(name):
                         worker.save_layer(call[1], meta)
                 elif name == "wait_for_save":
                     assert meta is not None and staging is not None, BOUND
                     if deferred_start:
                         deferred_start = False
                         self._start(meta, staging)
-                    worker.wait_for_save(meta)
-                    self._check_reads()
+                    with self._in_hook(name):
+                        worker.wait_for_save(meta)
+                    if self.check_reads:
+                        self._check_reads()
                 elif name == "get_finished":
                     recorded = set(call[2] or ())
                     assert staging is not None, BOUND
                     staging.release(recorded)
-                    got = worker.get_finished()
+                    with self._in_hook(name):
+                        got = worker.get_finished()
                     assert got == recorded, (step["step"], "finished receiving", got, recorded)
                 elif name == "get_block_ids_with_load_errors":
-                    failed = worker.take_failed_blocks()
+                    with self._in_hook(name):
+                        failed = worker.take_failed_blocks()
                     assert failed == set(call[1]), (step["step"], "failed blocks", failed, call[1])
                 elif name == "get_kv_connector_stats":
-                    stats = worker.take_stats()
+                    with self._in_hook(name):
+                        stats = worker.take_stats()
                     counts = {} if stats is None else stats.data
                     for key, value in call[1].items():
                         if key.startswith(("loaded_blocks_", "failed_blocks_")) or key == "stored_blocks":
                             assert counts.get(key) == value, (step["step"], key, counts.get(key), value)
                 elif name == "build_connector_worker_meta":
-                    worker_meta = worker.take_worker_meta()
+                    with self._in_hook(name):
+                        worker_meta = worker.take_worker_meta()
+                    self.result.step_seconds.append(time.perf_counter() - step_started)
                     hits = dict(worker_meta.hits) if worker_meta is not None else {}
                     recorded_hits = {k: v for k, v in (call[2] or {}).items() if v}
                     assert {k: v for k, v in hits.items() if v} == recorded_hits, (step["step"], hits)
@@ -372,17 +428,24 @@ class Replay:
                     worker.shutdown()
                 # handle_preemptions: recorded without its metadata, so the replay does not
                 # call step_arrives; forward_begins at "bind" decides on the write-down hold.
-            self._check_reads()
+            if self.check_reads:
+                self._check_reads()
         finally:
             if self.result.calls["shutdown"] == 0:
                 worker.shutdown()
+            sync.host_wait = self._real_host_wait
+        # Copies still in flight at the end were settled at shutdown: their reports too.
+        last = worker.take_worker_meta()
+        if last is not None:
+            self.result.reports.update((kind, _number(value)) for _, kind, value in last.reports)
         return self.result
 
     def _start(self, meta: TierCacheMetadata, staging: _GatedStaging) -> None:
         for job in meta.loads:
             if job.is_async:
                 staging.owners.update(((op.block_hash, op.slot), job.req_id) for op in job.ops)
-        self.worker.start_load_kv(meta)
+        with self._in_hook("start_load_kv"):
+            self.worker.start_load_kv(meta)
 
 
 def expected_result(recording: dict[str, Any]) -> dict[str, Any]:
