@@ -468,4 +468,3 @@ class TierEngine:
         if self.disk is not None:
             self.disk.close()
         self.foreground.close()
-
