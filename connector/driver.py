@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -164,8 +165,10 @@ class ConnectorDriver:
             page_bytes=block_bytes,
         )
         kv_cache_config = _KVCacheConfig([_KVCacheGroup(_KVSpecOfGroup(block_bytes), [LAYER])], num_blocks)
-        self.scheduler = TierCacheScheduler(
-            config, [spec], kv_cache_config, worker_count=1, kv_in_host_memory=kv_in_host_memory
+        # Typed as Any: the driver hands the scheduler duck-typed stand-ins for vLLM's
+        # request, block, scheduler-output and connector-output objects.
+        self.scheduler: Any = TierCacheScheduler(
+            config, [spec], cast(Any, kv_cache_config), worker_count=1, kv_in_host_memory=kv_in_host_memory
         )
         disk_share = config.disk.capacity if config.disk else 0
         self.worker = TierCacheWorker(
