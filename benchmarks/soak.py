@@ -1,14 +1,16 @@
 """Soak run through every tier with capacities far below the working set.
 
-A LocalTierCache (the same TierEngine the vLLM workers run) over a tiny CPU tier, a
-tiny disk tier and S3 (moto) indexed in Redis (redis-server), both on loopback.
-Requests walk prompts (chains of blocks) drawn from a skewed distribution: each
-block is looked up through CPU -> disk -> S3, checked byte for byte against what was
-stored (a wrong answer is counted, never expected), and stored on a miss. A GC pass
+The connector's two halves (scheduler and worker, driven as vLLM drives them by
+connector/driver.py) over a tiny CPU tier, a tiny disk tier and S3 (moto) indexed in
+Redis (redis-server), both on loopback. Requests are prompts (chains of blocks) drawn
+from a skewed distribution: the connector loads the longest prefix its tiers hold
+(each loaded block is checked byte for byte against what was stored: a wrong answer
+is counted, never expected), and the rest is computed and stored. A GC pass
 keeps S3 under its budget every few seconds; with --redis-restarts the Redis server
 is killed and restarted (keeping its data) on that period.
 
-Reports requests and blocks served, hits per tier, wrong answers, crashes (exceptions
+Reports requests and blocks served, hits per tier (blocks loaded from it), blocks
+computed, wrong answers, crashes (exceptions
 in the load loop), RSS over time, the most files/bytes ever on disk and the most
 objects in S3 right after each GC pass, against their capacities.
 
@@ -69,14 +71,13 @@ def main(argv: list[str] | None = None) -> dict:
     import redis as redis_py
 
     from tiercache.config import build_config
-    from tiercache.engine import LocalTierCache, ObjectShape
-    from tiercache.index.redis_index import Deployment
+    from tiercache.connector.driver import ConnectorDriver
+    from tiercache.object_shape import ObjectShape
     from tiercache.ops.local_stack import local_stack
     from tiercache.tiers.s3.gc import run_gc
 
     work = Path(tempfile.mkdtemp(prefix="tiercache-soak-"))
-    shape = ObjectShape("5" * 16, "6" * 16, SLOT)
-    obj = shape.object_bytes
+    obj = ObjectShape("5" * 16, "6" * 16, SLOT).object_bytes  # what a capacity in objects means
     rng = random.Random(0)
     prompts = []
     for p in range(args.prompts):
@@ -109,13 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
             },
             environ={},
         )
-        cache = LocalTierCache(config, shape, pin_memory=False)
-        cache.engine.register(Deployment(shape.model_digest, "soak", "soak", 1, (shape.rank_digest,), obj))
+        cache = ConnectorDriver(config, SLOT, model="soak")
         stats = {
             "requests": 0,
             "blocks": 0,
             "hits": {"cpu": 0, "disk": 0, "s3": 0},
-            "misses": 0,
+            "computed": 0,
             "wrong": 0,
             "crashes": 0,
             "gc_passes": 0,
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         def collector() -> None:
             while not stop.wait(args.gc_every):
                 with lock:
-                    cache.engine.flush(60)
+                    cache.flush(60)
                     if args.redis_restarts and stats["gc_passes"] % 6 == 5:
                         redis_py.Redis(port=redis_server.port).save()  # keep the index
                         redis_server.stop()
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             started = time.monotonic()
             while not stop.wait(1.0):
                 with lock:  # a consistent snapshot: no request and no write in flight
-                    cache.engine.flush(60)
+                    cache.flush(60)
                     files, size = disk_usage(work / "disk")
                 stats["max_disk_files"] = max(stats["max_disk_files"], files)
                 stats["max_disk_bytes"] = max(stats["max_disk_bytes"], size)
@@ -170,16 +170,14 @@ def main(argv: list[str] | None = None) -> dict:
             chain = rng.choices(prompts, weights)[0]
             try:
                 with lock:
-                    for block in chain:
-                        found = cache.get(block)
-                        stats["blocks"] += 1
-                        if found is None:
-                            stats["misses"] += 1
-                            cache.put(block, payload(block))
+                    served = cache.serve(chain, [payload(block) for block in chain])
+                    stats["blocks"] += len(chain)
+                    for block, tier, kv in zip(chain, served.tiers, served.kv, strict=True):
+                        if tier is None:
+                            stats["computed"] += 1
                             continue
-                        tier, data = found
                         stats["hits"][tier] += 1
-                        if bytes(data) != payload(block):
+                        if bytes(kv) != payload(block):
                             stats["wrong"] += 1
                     stats["requests"] += 1
             except Exception:  # a crash of the cache: counted, shown, and the loop goes on

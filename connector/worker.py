@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tiercache.config import TierCacheConfig
-from tiercache.engine import CPU, DISK, S3, ObjectShape, TierEngine, WriteResult
+from tiercache.engine import ObjectShape, TierEngine, WriteResult
 from tiercache.foreground import OUTPUT_GRACE
 from tiercache.index.keys import KVSpec
 from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
 from tiercache.threads import helper_thread
+from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from .copier import PagedKVCopier
@@ -876,9 +877,12 @@ class TierCacheWorker:
                 self._emit(STORE_VOID, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
         self._stats.add("stored_blocks", len(ops))
+        # Under write-back a stored block goes down only when the CPU tier evicts it
+        # (the scheduler's write-backs, `_begin_step`).
+        writes_through = self.writes_lower_tiers and self.config.movers.policy != "write_back"
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
-            if self.writes_lower_tiers:
+            if writes_through:
                 self.engine.write_down(
                     op.block_hash,
                     op.slot,

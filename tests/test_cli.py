@@ -18,9 +18,8 @@ import pytest
 import yaml
 
 from tiercache.config import RedisConfig, load_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.connector.driver import ConnectorDriver
 from tiercache.index.redis_conn import GuardedRedis
-from tiercache.index.redis_index import Deployment
 from tiercache.ops.local_stack import free_port
 
 SLOT = 4096
@@ -62,15 +61,12 @@ def setup(redis_url, s3_endpoint, bucket, tmp_path):
         )
     )
     config = load_config(path, environ={})
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], SLOT)
     hashes = [uuid.uuid4().bytes * 2 for _ in range(3)]
-    cache = LocalTierCache(config, shape, pin_memory=False)
-    cache.engine.register(
-        Deployment(shape.model_digest, "cli-ns", "tiny-llama", 1, (shape.rank_digest,), shape.object_bytes)
-    )
-    for h in hashes:
-        cache.put(h, h * (SLOT // len(h)))
-    assert cache.engine.flush(30)
+    # One prompt of three blocks, through the connector (which registers the deployment).
+    cache = ConnectorDriver(config, SLOT, model="tiny-llama")
+    shape = cache.shape
+    cache.serve(hashes, [h * (SLOT // len(h)) for h in hashes])
+    assert cache.flush(30)
     cache.close()
     return path, config, shape, hashes
 

@@ -3,8 +3,8 @@ package; scripts/bootstrap.sh installs it) against real scrapes.
 
 Two scrape targets on loopback: `tiercache serve` (its own series: index, GC, lookups
 for routers, dependencies) over a real redis-server and moto's S3 server, and this test
-process, where a LocalTierCache (the tier engine and block policy the connector runs in
-vLLM's workers) has stored, evicted, written down and read back blocks on its CPU, disk
+process, where the connector's two halves (driven without vLLM: connector/driver.py)
+have stored, evicted, written down and read back blocks on its CPU, disk
 and S3 tiers, so every tiercache_* family the connector exports has series. The
 counters that only move on a failure get theirs from real failures in this process: a
 mover queue of depth 1 flooded while S3 is slow (a dropped write), S3 behind a stopped
@@ -37,7 +37,7 @@ import yaml
 from prometheus_client import REGISTRY, start_http_server
 
 from tiercache.config import build_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.connector.driver import ConnectorDriver
 from tiercache.ops.local_stack import free_port
 from tiercache.ops.tiny_model import write_tiny_llama
 from tiercache.ops.vllm_runner import connector_config, loading_every_hit
@@ -120,13 +120,12 @@ def drive_tier_engine(tmp_path: Path, redis_url: str, s3_endpoint: str, bucket: 
         },
         environ={},
     )
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
-    cache = LocalTierCache(config, shape, pin_memory=False)
+    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
     hashes = [i.to_bytes(4, "big") * 8 for i in range(8)]
     try:
         for i, block_hash in enumerate(hashes):
             assert cache.put(block_hash, np.random.default_rng(i).bytes(BLOCK)) is not None
-            cache.engine.flush()
+            cache.flush()
         # The newest blocks are in the CPU tier, the next ones on disk (it holds about
         # three objects), the oldest only in S3.
         sources = {cache.get(block_hash)[0] for block_hash in reversed(hashes)}
@@ -150,12 +149,12 @@ def counted(family: str) -> float:
 
 
 def cause_failures(redis_url: str, s3_endpoint: str, bucket: str) -> None:
-    """The failures the failure-only counters count, for real, in this process: a
-    LocalTierCache with a mover queue of one write, over Redis and S3 each behind a
+    """The failures the failure-only counters count, for real, in this process: the
+    connector's halves with a mover queue of one write, over Redis and S3 each behind a
     proxy on loopback. A block's upload is slowed so the next store's write is dropped
     (tiercache_mover_dropped_total); with the S3 proxy stopped a reader's download of
     that block fails (tiercache_tier_errors_total); with the Redis proxy stopped its
-    read lease cannot be taken (tiercache_index_errors_total)."""
+    lookup cannot be answered (tiercache_index_errors_total)."""
     redis_link = TcpProxy(urllib.parse.urlsplit(redis_url).port).start()
     s3_link = TcpProxy(urllib.parse.urlsplit(s3_endpoint).port).start()
     config = build_config(
@@ -174,9 +173,9 @@ def cause_failures(redis_url: str, s3_endpoint: str, bucket: str) -> None:
         },
         environ={},
     )
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
+    model = uuid.uuid4().hex
     first, second, unknown = b"\x01" * 32, b"\x02" * 32, b"\xee" * 32
-    writer = LocalTierCache(config, shape, pin_memory=False)
+    writer = ConnectorDriver(config, BLOCK, model=model)
     reader = None
     before = {family: counted(family) for family in FAILURE_COUNTERS}
     try:
@@ -185,17 +184,17 @@ def cause_failures(redis_url: str, s3_endpoint: str, bucket: str) -> None:
         s3_link.delay = 0.2
         assert writer.put(first, np.random.default_rng(1).bytes(BLOCK)) is not None
         assert writer.put(second, np.random.default_rng(2).bytes(BLOCK)) is not None
-        assert writer.engine.flush(timeout=60)
+        assert writer.flush(timeout=60)
         s3_link.delay = 0.0
         assert counted("tiercache_mover_dropped_total") > before["tiercache_mover_dropped_total"]
 
         # A reader with an empty CPU tier finds the first block only in S3, which is down.
-        reader = LocalTierCache(config, shape, pin_memory=False)
+        reader = ConnectorDriver(config, BLOCK, model=model)
         s3_link.stop()
         assert reader.get(first) is None
         assert counted("tiercache_tier_errors_total") > before["tiercache_tier_errors_total"]
 
-        # With Redis down, a download's read lease cannot be taken.
+        # With Redis down, the lookup fails: a miss.
         redis_link.stop()
         assert reader.get(unknown) is None
         assert counted("tiercache_index_errors_total") > before["tiercache_index_errors_total"]

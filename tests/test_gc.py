@@ -9,7 +9,7 @@ import time
 import uuid
 
 from tiercache.config import build_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.engine import ObjectShape, TierEngine
 from tiercache.index.leases import Leases, new_token
 from tiercache.index.redis_index import (
     Deployment,
@@ -19,6 +19,7 @@ from tiercache.index.redis_index import (
     parse_location,
     runs_key,
 )
+from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.format import CorruptObject
 from tiercache.tiers.s3.gc import flush_namespace, run_gc
 from tiercache.tiers.s3.runs import RunGeometry, RunHeader, frame_header_bytes, run_parts
@@ -83,12 +84,12 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama") -> Deploy
     )
     for rank in ranks:
         shape = ObjectShape(model_digest, rank, SLOT)
-        cache = LocalTierCache(config, shape, s3=s3_tier(config), pin_memory=False)
-        cache.engine.register(deployment)
+        engine = TierEngine(config, shape, CpuBuffer(1, SLOT), s3=s3_tier(config))
+        engine.register(deployment)
         for h in hashes:
-            cache.put(h, h * (SLOT // len(h)))
-        assert cache.engine.flush(30)
-        cache.close()
+            engine.write_down(h, None, lambda result: None, data=h * (SLOT // len(h)))
+        assert engine.flush(30)
+        engine.close()
     return deployment
 
 

@@ -202,7 +202,7 @@ def test_cost_model_off_loads_everything():
 
 
 def test_cost_model_off_as_yaml_and_environment_write_it(tmp_path):
-    """YAML 1.1 reads a bare `off` as false, as the README's table writes it."""
+    """YAML 1.1 reads a bare `off` as false, as docs/configuration.md writes it."""
     path = tmp_path / "c.yaml"
     path.write_text("movers:\n  cost_model: off\n")
     assert load_config(path, environ={}).movers.cost_model == "off"

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercache.config import ConfigError, S3TierConfig, build_config
-from tiercache.engine import DISK, S3, LocalTierCache, ObjectShape, TierEngine
+from tiercache.connector.driver import ConnectorDriver
+from tiercache.engine import ObjectShape, TierEngine
+from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import CorruptObject, ObjectHeader, checksum, decode_header, sign
@@ -323,17 +325,18 @@ def test_a_key_mismatch_between_writer_and_reader_is_a_miss(
     tmp_path, redis, redis_url, real_s3_endpoint, real_bucket
 ):
     s3_endpoint, bucket = real_s3_endpoint, real_bucket
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], SLOT)
+    model = uuid.uuid4().hex
     blocks = [uuid.uuid4().bytes * 2 for _ in range(3)]
 
     def cache(integrity_key, disk="disk"):
         config = keyed_config(tmp_path, redis_url, s3_endpoint, bucket, integrity_key, disk)
-        return LocalTierCache(config, shape, pin_memory=False)
+        return ConnectorDriver(config, SLOT, model=model)
 
     writer = cache(KEY)
+    shape = writer.shape
     for i, block in enumerate(blocks):
-        writer.put(block, payload(i))
-    assert writer.engine.flush(30)
+        assert writer.put(block, payload(i)) is not None
+    assert writer.flush(30)
     writer.close()
 
     for disk, tier in (("disk", DISK), (None, S3)):
@@ -343,11 +346,17 @@ def test_a_key_mismatch_between_writer_and_reader_is_a_miss(
         finally:
             reader.close()
 
-    stranger = cache(OTHER_KEY)
+    for disk in ("disk", None):  # a node whose disk holds them, and one that finds them in S3
+        stranger = cache(OTHER_KEY, disk)
+        try:
+            assert [stranger.get(block) for block in blocks[1:]] == [None, None]  # not served
+        finally:
+            stranger.close()
+    disk = DiskTier(tmp_path / "disk", 1 << 24)
     try:
-        assert [stranger.get(block) for block in blocks[1:]] == [None, None]  # neither tier served
+        assert not any(shape.key(block) in disk for block in blocks[1:])  # removed as forged
     finally:
-        stranger.close()
+        disk.close()
 
 
 def test_the_key_stays_out_of_repr_config_check_and_errors(tmp_path, capsys):

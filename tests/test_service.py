@@ -15,12 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiercache.config import build_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.connector.driver import ConnectorDriver
+from tiercache.engine import ObjectShape, TierEngine
 from tiercache.index.block_hashing import BlockHashing
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
 from tiercache.ops.service import MAX_LOOKUP_HASHES, collect_stats, create_app
 from tiercache.ops.service.models import MAX_LOOKUP_TOKENS
+from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.s3.tier import S3Tier, make_client
 
 SLOT = 4096
@@ -61,13 +63,13 @@ def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama", tiers=("d
     deployment = Deployment(model_digest, namespace or config.namespace, model, tp, ranks, object_bytes)
     for rank in ranks:
         s3 = S3Tier(config.s3, client=_client(config.s3)) if config.s3 else None
-        cache = LocalTierCache(config, ObjectShape(model_digest, rank, SLOT), s3=s3, pin_memory=False)
-        cache.engine.register(deployment)
+        engine = TierEngine(config, ObjectShape(model_digest, rank, SLOT), CpuBuffer(1, SLOT), s3=s3)
+        engine.register(deployment)
         for h in hashes:
             data = h * (SLOT // len(h))
-            cache.engine.write_down(h, None, lambda r: None, data=data, tiers=tiers)
-        assert cache.engine.flush(30)
-        cache.close()
+            engine.write_down(h, None, lambda r: None, data=data, tiers=tiers)
+        assert engine.flush(30)
+        engine.close()
     return deployment
 
 
@@ -695,10 +697,10 @@ def test_stats_per_namespace_and_tier_and_never_the_secret(
 
 def test_stats_without_redis_scans_the_disk(tmp_path):
     config = build_config({"disk": {"path": str(tmp_path / "d")}, "cpu": {"capacity": 64 * SLOT}}, environ={})
-    cache = LocalTierCache(config, ObjectShape(digest(), digest(), SLOT), pin_memory=False)
+    cache = ConnectorDriver(config, SLOT, model=digest())
     for h in blocks(3):
-        cache.put(h, h * (SLOT // len(h)))
-    assert cache.engine.flush(30)
+        assert cache.put(h, h * (SLOT // len(h))) is not None
+    assert cache.flush(30)
     cache.close()
     body = TestClient(create_app(config)).get("/v1/stats").json()
     assert body["namespaces"]["(unregistered)"]["tiers"]["disk"]["objects"] == 3
@@ -855,13 +857,13 @@ def test_lookup_of_a_hybrid_model_ends_where_every_kv_cache_group_can_serve(stac
         block_size=32,
         groups=("full", "window:64:0"),
     )
-    cache = LocalTierCache(config, shape, s3=S3Tier(config.s3, client=_client(config.s3)), pin_memory=False)
-    cache.engine.register(deployment)
+    engine = TierEngine(config, shape, CpuBuffer(1, SLOT), s3=S3Tier(config.s3, client=_client(config.s3)))
+    engine.register(deployment)
     stored = [*prompt, *(group_key(h, 1) for h in prompt[1:4])]  # the window group lacks 4 and 5
     for h in stored:
-        cache.engine.write_down(h, None, lambda r: None, data=h * (SLOT // len(h)), tiers=("disk", "s3"))
-    assert cache.engine.flush(30)
-    cache.close()
+        engine.write_down(h, None, lambda r: None, data=h * (SLOT // len(h)), tiers=("disk", "s3"))
+    assert engine.flush(30)
+    engine.close()
 
     response = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
 

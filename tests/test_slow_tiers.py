@@ -14,9 +14,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tiercache.config import RedisConfig, build_config
-from tiercache.engine import LocalTierCache, ObjectShape
+from tiercache.connector.driver import ConnectorDriver
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import RedisIndex
+from tiercache.object_shape import ObjectShape
 
 from support.faults import TcpProxy
 
@@ -43,7 +44,7 @@ def slow_s3(s3_endpoint):
     proxy.stop()
 
 
-def put_soon(cache: LocalTierCache, i: int, within: float) -> int | None:
+def put_soon(cache: ConnectorDriver, i: int, within: float) -> int | None:
     """Store block i, waiting up to `within` seconds for a CPU slot to come free:
     long enough for a disk write, far shorter than one slowed S3 PUT."""
     deadline = time.monotonic() + within
@@ -71,8 +72,8 @@ def test_a_slow_s3_leaves_the_cpu_tier_free_for_stores(tmp_path, redis_url, buck
         },
         environ={},
     )
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
-    cache = LocalTierCache(config, shape, pin_memory=False)
+    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
+    shape = cache.shape
     bound = cache.engine.upload_slot_limit
     try:
         assert bound < SLOTS
@@ -87,6 +88,7 @@ def test_a_slow_s3_leaves_the_cpu_tier_free_for_stores(tmp_path, redis_url, buck
         deadline = time.monotonic() + 1.0
         while cache.slots.unpinned() < SLOTS and time.monotonic() < deadline:
             time.sleep(0.01)
+            cache.deliver_reports()  # the slots the movers freed, as the next step would
         assert cache.slots.unpinned() == SLOTS
         assert dropped_s3_writes() - dropped_before >= 4 * SLOTS - 2 * bound  # counted, not silent
         for i in range(4 * SLOTS):
@@ -128,7 +130,7 @@ def test_a_slow_redis_costs_a_lookup_a_bounded_wait_then_nothing(redis_server):
 
 
 # -- issue 39, item 4: a slow tier is a miss, not a stall --------------------------------
-def tiered_cache(tmp_path, redis_url, bucket, s3_url: str, **movers) -> tuple[LocalTierCache, ObjectShape]:
+def tiered_cache(tmp_path, redis_url, bucket, s3_url: str, **movers) -> tuple[ConnectorDriver, ObjectShape]:
     config = build_config(
         {
             "redis_url": redis_url,
@@ -139,8 +141,8 @@ def tiered_cache(tmp_path, redis_url, bucket, s3_url: str, **movers) -> tuple[Lo
         },
         environ={},
     )
-    shape = ObjectShape(uuid.uuid4().hex[:16], uuid.uuid4().hex[:16], BLOCK, layout="LBHNC", dtype="uint8")
-    return LocalTierCache(config, shape, pin_memory=False), shape
+    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
+    return cache, cache.shape
 
 
 def test_slow_s3_reads_never_hold_a_disk_hit_behind_them(tmp_path, redis_url, bucket, slow_s3):
@@ -152,7 +154,7 @@ def test_slow_s3_reads_never_hold_a_disk_hit_behind_them(tmp_path, redis_url, bu
     cache, shape = tiered_cache(tmp_path, redis_url, bucket, slow_s3.url, workers=2)
     try:
         for i in range(4):
-            assert cache.put(block(i), payload(i), group=i) is not None
+            assert cache.put(block(i), payload(i)) is not None
         assert cache.engine.flush(30)
         for i in range(4):
             assert cache.engine.index.locate(shape.model_digest, shape.rank_digest, block(i)) is not None
@@ -177,7 +179,7 @@ def test_an_s3_run_record_that_does_not_decode_is_a_miss(tmp_path, redis_url, bu
 
     cache, shape = tiered_cache(tmp_path, redis_url, bucket, s3_endpoint)
     try:
-        assert cache.put(block(1), payload(1), group=1) is not None
+        assert cache.put(block(1), payload(1)) is not None
         assert cache.engine.flush(30)
         blocks_key, _, records_key = index_keys(shape.model_digest, shape.rank_digest)
         client = redis_client.Redis.from_url(redis_url)

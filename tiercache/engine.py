@@ -3,8 +3,8 @@ its CPU buffer. It writes them down to disk and S3 on background movers (bounded
 dropping under backpressure rather than blocking the caller), and stages them back
 up from disk or S3 into CPU slots.
 
-It decides nothing about which slot holds which block: in vLLM the scheduler does,
-and `LocalTierCache` (below) does for standalone use (benchmarks, tests, tools)."""
+It decides nothing about which slot holds which block: the connector's scheduler
+does (connector/scheduler.py; connector/driver.py runs both halves without vLLM)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ from tiercache.foreground import ForegroundGate
 from tiercache.index.leases import Leases
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
-from tiercache.metrics import LOOKUP_HITS, MOVER_DROPPED, MOVER_QUEUE
+from tiercache.metrics import MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
-from tiercache.policy import BlockPolicy
 from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
-from tiercache.tiers import CPU, DISK, S3
-from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, slots_for
+from tiercache.tiers import DISK, S3
+from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk.tier import DiskPages, DiskTier
 from tiercache.tiers.format import ObjectHeader
 from tiercache.tiers.s3.reader import S3Reader
@@ -470,110 +469,3 @@ class TierEngine:
             self.disk.close()
         self.foreground.close()
 
-
-class LocalTierCache:
-    """A whole single-process tier cache over one TierEngine, deciding as the vLLM
-    connector's scheduler does (`policy.BlockPolicy`: slots, eviction, write-back,
-    promotion) but copying itself, so a fill is complete when `put` returns. Used by
-    the soak, the tier benchmark, tests and tools."""
-
-    def __init__(
-        self,
-        config: TierCacheConfig,
-        shape: ObjectShape,
-        *,
-        redis: GuardedRedis | None = None,
-        s3: S3Tier | None = None,
-        pin_memory: bool | None = None,
-    ):
-        self.config = config
-        self.shape = shape
-        num_slots = slots_for(config.cpu.capacity, shape.slot_bytes)
-        write_back = config.movers.policy == "write_back"
-        self.policy = BlockPolicy(num_slots, shape.slot_bytes, write_back=write_back)
-        self.slots = self.policy.slots
-        self.buffer = CpuBuffer(num_slots, shape.slot_bytes, pin_memory=pin_memory)
-        self.engine = TierEngine(config, shape, self.buffer, redis=redis, s3=s3)
-
-    def _after_write(self, result: WriteResult) -> None:
-        if result.slot_freed:
-            return  # _slot_free reported it all
-        self._slot_free(result)
-
-    def _slot_free(self, result: WriteResult) -> None:
-        if result.stored.get(DISK):
-            self.policy.stored_on_disk(result.block_hash)
-        if result.slot is not None:
-            self.policy.release(result.slot)
-
-    def _claim(self, block_hash: bytes) -> int:
-        slot = self.policy.claim(block_hash)
-        for victim, victim_slot in self.policy.take_write_backs():
-            # Write-back: the victim goes down now, from a copy, since its slot is reused.
-            data = bytes(self.buffer.view(victim_slot))
-            self.engine.write_down(victim, None, self._after_write, data=data)
-        return slot
-
-    def put(self, block_hash: bytes, data: bytes | memoryview, group: Hashable = None) -> int | None:
-        """Store one block; returns its CPU slot, or None when every slot is busy with
-        a transfer (the store is dropped, not waited for). Lower tiers follow per the
-        policy; blocks of one `group` (a request) share S3 runs."""
-        existing = self.slots.slot_of(block_hash)
-        if existing is not None:
-            return existing
-        try:
-            slot = self._claim(block_hash)
-        except CpuTierFull:
-            MOVER_DROPPED.labels(CPU).inc()
-            return None
-        except KeyError:  # another thread is storing it right now
-            return self.slots.slot_of(block_hash)
-        self.buffer.view(slot)[:] = data
-        self.policy.filled(block_hash, slot)
-        if self.policy.write_back:
-            self.policy.release(slot)
-        else:
-            self.engine.write_down(
-                block_hash, slot, self._after_write, group=group, on_slot_free=self._slot_free
-            )
-        return slot
-
-    def get(self, block_hash: bytes) -> tuple[str, memoryview] | None:
-        """Find a block in the fastest tier that has it; a lower-tier hit is promoted
-        into a CPU slot. Returns (tier it came from, the slot's bytes) or None."""
-        slot = self.policy.pin_ready(block_hash)
-        if slot is not None:
-            self.policy.release(slot)
-            LOOKUP_HITS.labels(CPU).inc()
-            return CPU, self.buffer.view(slot)
-        if self.policy.filling(block_hash):
-            return None  # another thread is copying it in right now
-        try:
-            slot = self._claim(block_hash)
-        except CpuTierFull:
-            return self._get_unpromoted(block_hash)
-        except KeyError:  # another thread claimed it just now
-            return None
-        for tier in self.engine.lower:
-            if self.engine.stage(block_hash, slot, tier):
-                LOOKUP_HITS.labels(tier).inc()
-                self.policy.filled(block_hash, slot)
-                if self.policy.promotes_to_disk(tier, self.engine.disk is not None):
-                    self.engine.write_down(block_hash, slot, self._after_write, tiers=(DISK,))
-                else:
-                    self.policy.release(slot)
-                return tier, self.buffer.view(slot)
-        self.policy.fill_failed(block_hash, slot)
-        self.policy.release(slot)
-        return None
-
-    def _get_unpromoted(self, block_hash: bytes) -> tuple[str, memoryview] | None:
-        """Every slot is busy: read into a fresh buffer without promoting."""
-        out = memoryview(bytearray(self.shape.slot_bytes))
-        for tier in self.engine.lower:
-            if self.engine.read_into(block_hash, out, tier):
-                return tier, out
-        return None
-
-    def close(self) -> None:
-        self.engine.close()

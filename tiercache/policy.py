@@ -1,9 +1,7 @@
 """The cache policy of one node: which CPU slot holds which block, which blocks are
 ready to be read, which the node's disk tier holds, what an eviction writes back and
-what a hit promotes. One class, so that the path vLLM runs (the connector's scheduler
-half, which learns of copies through worker reports) and the single-process cache
-the soak, the tier benchmark and the tools drive (`engine.LocalTierCache`, which
-copies itself) decide alike.
+what a hit promotes. The connector's scheduler half holds it and learns of copies
+through worker reports (connector/scheduler.py).
 
 A block is named by its hash (bytes). A slot is pinned while anything copies into or
 out of it; a pinned slot is never evicted or handed to another block. A block counts

@@ -10,12 +10,14 @@ Baselines:
   s3    plain boto3 put_object/get_object of the same payloads, same client settings,
         same concurrency (s3.max_concurrency threads)
 
-The tier side runs the code the engine runs: slot bookkeeping and copies for cpu;
+The tier side runs the code the connector runs: for cpu, requests of 16 blocks
+through the connector's two halves (connector/driver.py), the scheduler planning each
+store and CPU-tier hit and the worker copying between the paged KV and CPU slots;
 header + checksum + temp file + rename, and verified reads into CPU slots, for disk;
 write lease + PUT + index publish, and read lease + verified GET into CPU slots, for
-s3. For cpu and disk, tier and baseline alternate block by block (which goes first
-alternates too), so both see the same machine; for s3 they alternate wave by wave
-(one wave = s3.max_concurrency objects in flight). Speeds are medians over the
+s3. For cpu and disk, tier and baseline alternate request by request (cpu) or block
+by block (disk), which goes first alternating too, so both see the same machine; for
+s3 they alternate wave by wave (one wave = s3.max_concurrency objects in flight). Speeds are medians over the
 repeats, the warm-up repeat excluded; ratios are medians of the per-repeat ratios.
 
 S3 requests (bench_packing.py): the same prompts stored and loaded with one object
@@ -50,6 +52,9 @@ import numpy as np
 from tiercache.ops.bench_packing import MAX_PUT_RATIO, bench_requests, print_requests
 
 REPEATS = 9  # measured, after one warm-up
+# Blocks per request in the CPU tier's figures: a prompt of 256 tokens in 16-token
+# blocks. The connector plans and reports per step, so a request's blocks share it.
+CPU_REQUEST_BLOCKS = 16
 LOOKUP_SIZES = (32, 256, 2048)
 LOOKUP_SAMPLES = 200
 INDEX_MEMBERS = 100_000
@@ -212,41 +217,59 @@ class _Progress:
 
 def _bench_cpu(payload: np.ndarray, progress: _Progress) -> dict[str, float]:
     from tiercache.config import build_config
-    from tiercache.engine import LocalTierCache, ObjectShape
+    from tiercache.connector.driver import ConnectorDriver
 
     blocks, block_bytes = payload.shape
     config = build_config({"cpu": {"capacity": blocks * block_bytes}}, environ={})
-    shape = ObjectShape("c" * 16, "c" * 16, block_bytes)
-    cache = LocalTierCache(config, shape, pin_memory=False)
+    # The paged KV: the first `blocks` blocks hold the payload, as a forward leaves
+    # what it computed; a get loads into the next `blocks`; one more takes each
+    # request's last token.
+    cache = ConnectorDriver(config, block_bytes, model="bench-cpu", num_blocks=2 * blocks + 1)
+    for i in range(blocks):
+        cache.kv_block(i)[:] = payload[i]
+        cache.kv_block(blocks + i)[:] = payload[i]  # pre-faulted, as vLLM's paged KV is
     source = cache.buffer.tensor.numpy()
-    # Pre-faulted destinations, as the cache's buffer is: the baseline's, and where a
-    # get copies to (vLLM's paged KV), one each so neither finds the other's lines.
-    raw_dst, out, raw_out = (np.ones_like(payload) for _ in range(3))
-    rows = [memoryview(row) for row in payload]
-    outs = [memoryview(row) for row in out]
+    # The blocks of each request, in turn (the last may be shorter).
+    requests = [
+        list(range(s, min(s + CPU_REQUEST_BLOCKS, blocks))) for s in range(0, blocks, CPU_REQUEST_BLOCKS)
+    ]
+    # Pre-faulted destinations of the baseline's own, so neither side finds the
+    # other's lines in cache.
+    raw_dst, raw_out = (np.ones_like(payload) for _ in range(2))
     put, get, one_put, one_get = _Pair(), _Pair(), _Pair(), _Pair()
     try:
         for repeat in range(REPEATS + 1):
-            hashes = _hashes(blocks, repeat)
-            cache.slots.clear()
+            hashes = _hashes(blocks, repeat)  # new blocks: the last repeat's are evicted
             slot_of: list[int] = [0] * blocks
 
-            def tier_put(i: int, hashes=hashes, slot_of=slot_of) -> None:
-                slot_of[i] = cache.put(hashes[i], rows[i])
+            def tier_put(r: int, hashes=hashes, slot_of=slot_of) -> None:
+                ids = requests[r]
+                cache.serve([hashes[i] for i in ids], gpu_blocks=ids, computes=True)
+                for i in ids:
+                    slot = cache.slots.slot_of(hashes[i])
+                    assert slot is not None  # stored, in a CPU tier that holds every block
+                    slot_of[i] = slot
 
-            def tier_get(i: int, hashes=hashes) -> None:
-                got = cache.get(hashes[i])
-                assert got is not None  # put above, in a CPU tier that holds every block
-                _, view = got
-                outs[i][:] = view
+            def tier_get(r: int, hashes=hashes) -> None:
+                ids = requests[r]
+                served = cache.serve([hashes[i] for i in ids], gpu_blocks=[blocks + i for i in ids])
+                assert served.tiers == ["cpu"] * len(ids)  # put above, in a tier that holds every block
 
-            put.add_interleaved(repeat, blocks, tier_put, lambda i: np.copyto(raw_dst[i], payload[i]))
-            get.add_interleaved(
-                repeat, blocks, tier_get, lambda i, s=slot_of: np.copyto(raw_out[i], source[s[i]])
-            )
+            def raw_put(r: int) -> None:
+                for i in requests[r]:
+                    np.copyto(raw_dst[i], payload[i])
+
+            def raw_get(r: int, slot_of=slot_of) -> None:
+                for i in requests[r]:
+                    np.copyto(raw_out[i], source[slot_of[i]])
+
+            put.add_interleaved(repeat, len(requests), tier_put, raw_put)
+            get.add_interleaved(repeat, len(requests), tier_get, raw_get)
             one_put.add(repeat, lambda: None, lambda: np.copyto(raw_dst, payload))
             one_get.add(repeat, lambda: None, lambda: np.copyto(raw_out, source))
             progress.step("cpu")
+        if not np.array_equal(cache.kv[blocks : 2 * blocks].numpy(), payload):
+            raise RuntimeError("a CPU-tier get loaded other bytes than were put")
     finally:
         cache.close()
     figures = _tier_figures(put, get, payload.nbytes)
@@ -466,12 +489,16 @@ def _vm(field: str) -> int:
 
 
 def rss_probe(args: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process: a LocalTierCache with every tier, write-through, at
-    the given CPU capacity; how much memory the process holds beyond that capacity."""
+    """Runs in a fresh process: the connector's halves with every tier, write-through,
+    at the given CPU capacity, then restarted over the same disk and every block read
+    back from it (staged into CPU slots); how much memory the process holds beyond
+    that capacity and the paged KV it loads into (vLLM's memory, not the cache's)."""
+    import gc
+
     import torch  # noqa: F401  (loaded before the baseline: a vLLM worker has it anyway)
 
     from tiercache.config import build_config
-    from tiercache.engine import LocalTierCache, ObjectShape
+    from tiercache.connector.driver import ConnectorDriver
 
     baseline = _vm("VmRSS")
     capacity, block_bytes, blocks = args["capacity"], args["block_bytes"], args["blocks"]
@@ -481,29 +508,34 @@ def rss_probe(args: dict[str, Any]) -> dict[str, Any]:
             "cpu": {"capacity": capacity},
             "disk": {"path": args["disk"], "capacity": 4 * blocks * (block_bytes + 8192)},
             "s3": {"bucket": args["bucket"], "prefix": "rss/", "endpoint_url": args["s3_endpoint"]},
+            # Uploads in this process: its RSS is then all of the cache's memory.
+            "movers": {"upload_process": False},
         },
         environ={},
     )
-    shape = ObjectShape("a" * 16, "b" * 16, block_bytes)
-    cache = LocalTierCache(config, shape, pin_memory=False)
     payload = np.random.default_rng(3).integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
     hashes = _hashes(blocks, 400)
-    for block_hash, row in zip(hashes, payload, strict=True):
-        while cache.put(block_hash, memoryview(row)) is None:
-            cache.engine.flush(5)
-    cache.engine.flush(60)
-    cache.slots.clear()  # every get now comes from disk, with promotion
-    for block_hash in hashes:
-        assert cache.get(block_hash) is not None
-    cache.engine.flush(60)
-    rss, peak = _vm("VmRSS"), _vm("VmHWM")
+    cache = ConnectorDriver(config, block_bytes, model="bench-rss", num_blocks=blocks + 1)
+    cache.serve(hashes, list(payload))
+    cache.flush(60)
+    cache.close()
+    del cache
+    gc.collect()
+    cache = ConnectorDriver(config, block_bytes, model="bench-rss", num_blocks=blocks + 1)
+    served = cache.serve(hashes)  # a new instance: every block from disk
+    if served.tiers != ["disk"] * blocks:
+        raise RuntimeError(f"the memory probe read back {served.tiers} instead of disk hits")
+    cache.flush(60)
+    kv_bytes = cache.kv.numel()
+    rss, peak = _vm("VmRSS") - kv_bytes, _vm("VmHWM") - kv_bytes
+    num_slots = cache.slots.num_slots
     cache.close()
     return {
         "capacity": capacity,
         "rss": rss,
         "peak_rss": peak,
         "baseline_rss": baseline,
-        "cpu_slots": cache.slots.num_slots,
+        "cpu_slots": num_slots,
     }
 
 
