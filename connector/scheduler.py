@@ -98,6 +98,9 @@ class _Lookup:
     # The hit as last answered: the tier of each block it could load (CPU room
     # allowing); the cost model loads a prefix of it.
     hit: list[str] = field(default_factory=list)
+    # How many blocks of `hit` the CPU tier had slots to stage (None: all of it); the
+    # blocks past it are counted as a "no_room" decision, not dropped silently.
+    fits: int | None = None
     # Several KV cache groups: the tier of each (group, block index) looked at, and
     # the blocks of every group the answered hit loads, as (group, index, tier).
     group_tiers: dict[tuple[int, int], str | None] = field(default_factory=dict)
@@ -397,11 +400,12 @@ class TierCacheScheduler:
             LOOKUP_BLOCKS.inc(limit - first)
         lookup = self._lookups[request.request_id] = _Lookup(num_computed_tokens, tiers, self._step, s3=s3)
         held = hashes[first : first + len(tiers)]
-        if self._is_async(tiers, held):
-            tiers = self._fit_to_cpu_tier(tiers, held)
-        load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
         # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.
         lookup.hit = tiers
+        if self._is_async(tiers, held):
+            tiers = self._fit_to_cpu_tier(tiers, held)
+            lookup.fits = len(tiers)
+        load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
         if not load:
             return 0, False
         lookup.load_async = self._is_async(tiers[:load], held[:load])
@@ -546,11 +550,12 @@ class TierCacheScheduler:
         # lookup fails and is recomputed, but never changes that kind.
         is_async = lookup.load_async
         self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
-        ops: list[BlockOp] = []
+        hit: list[tuple[bytes, int, str]] = []
         for i, tier in enumerate(lookup.tiers[:count]):
             block_hash = self._block_key(request.block_hashes[first + i])
             self._name(block_hash, request.block_hashes[first + i])
-            ops.append(self._plan_load(block_hash, block_ids[first + i], tier, may_stage=is_async))
+            hit.append((block_hash, block_ids[first + i], tier))
+        ops = self._plan_hit(hit, may_stage=is_async)
         job = LoadJob(req_id, ops, is_async)
         self._pending_loads.append(job)
         if is_async:
@@ -577,7 +582,7 @@ class TierCacheScheduler:
         tiers = [tier for _, _, tier in plan]
         is_async = self._is_async(tiers, ())
         self._hit_tiers[req_id] = Counter(lookup.tiers[:count])
-        ops: list[BlockOp] = []
+        hit: list[tuple[bytes, int, str]] = []
         lost = False
         for group, index, tier in plan:
             gpu_block = block_ids[group][index] if index < len(block_ids[group]) else NULL_BLOCK
@@ -588,7 +593,8 @@ class TierCacheScheduler:
                 continue
             block_hash = group_key(self._block_key(request.block_hashes[index]), group)
             self._name(block_hash, request.block_hashes[index], group)
-            ops.append(self._plan_load(block_hash, gpu_block, tier or "", may_stage=is_async))
+            hit.append((block_hash, gpu_block, tier or ""))
+        ops = self._plan_hit(hit, may_stage=is_async)
         if lost:
             log.warning("tiercache: request %s: a KV cache group lacks a block of its hit", req_id)
             for op in ops:
@@ -603,6 +609,21 @@ class TierCacheScheduler:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
 
+    def _plan_hit(self, hit: list[tuple[bytes, int, str]], may_stage: bool) -> list[BlockOp]:
+        """`_plan_load` for each (name, paged-KV block, tier) of a hit, in its order.
+        The hit's ready CPU blocks are pinned before any slot is claimed to stage a
+        lower-tier block into: a claim evicts the least recently used unpinned block,
+        and the hit's own CPU blocks, pinned only later, were often those (the oldest
+        blocks of a long prompt whose front had already gone to disk). The slots
+        checked for staging (`_fit_to_cpu_tier`) already leave them out."""
+        ops: list[BlockOp | None] = [None] * len(hit)
+        pinned_first = [tier == CPU and block_hash in self.policy.ready for block_hash, _, tier in hit]
+        for first_pass in (True, False):
+            for i, (block_hash, gpu_block, tier) in enumerate(hit):
+                if pinned_first[i] == first_pass:
+                    ops[i] = self._plan_load(block_hash, gpu_block, tier, may_stage)
+        return [op for op in ops if op is not None]
+
     def _unplan(self, op: BlockOp) -> None:
         """Undo `_plan_load` for `op` and leave it lost: the worker reports it failed."""
         if op.slot >= 0:
@@ -612,10 +633,17 @@ class TierCacheScheduler:
         op.slot, op.tier = -1, ""
 
     def _count_decisions(self, lookup: _Lookup, loaded: int) -> None:
-        """One decision per tier holding part of this request's hit: loaded, or
-        skipped (the cost model cut the hit before that tier's blocks)."""
+        """One decision per tier holding part of this request's hit: loaded, skipped
+        (the cost model cut the hit before that tier's blocks), or no_room (every CPU
+        slot it could have been staged through was held by a transfer)."""
+        fits = len(lookup.hit) if lookup.fits is None else lookup.fits
         for tier in dict.fromkeys(lookup.hit):
-            decision = "load" if tier in lookup.hit[:loaded] else "skip"
+            if tier in lookup.hit[:loaded]:
+                decision = "load"
+            elif tier in lookup.hit[:fits]:
+                decision = "skip"
+            else:
+                decision = "no_room"
             if decision == "load" and self.cost is not None:
                 self.cost.loading(tier)
             LOAD_DECISIONS.labels(tier, decision).inc()

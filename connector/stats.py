@@ -59,11 +59,13 @@ _PLAIN_COUNTERS = {
         "Steps serving hits that did not hold the write-down back: holds had taken their share",
     ),
 }
-# The scheduler's cost-model decisions (cost_model.py), one per request and tier.
-DECISIONS = ("load", "skip")
+# The scheduler's decisions on each hit (cost_model.py), one per request and tier:
+# no_room is a hit that needed CPU slots to stage through while transfers held them all.
+DECISIONS = ("load", "skip", "no_room")
 _DECISIONS = (
     "vllm:tiercache_load_decisions",
-    "Requests whose hit in a tiercache tier was loaded, or skipped as slower than recomputing it",
+    "Requests whose hit in a tiercache tier was loaded, skipped as slower than recomputing it, "
+    "or not loaded for want of a free CPU slot to stage it through (no_room)",
 )
 
 

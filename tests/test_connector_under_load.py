@@ -88,6 +88,52 @@ def test_a_sync_hit_stays_sync_when_its_block_left_the_cpu_tier_since_the_lookup
     assert not job.is_async
 
 
+def ready_in_cpu_tier(sched: TierCacheScheduler, block: bytes) -> None:
+    """`block` filled into a CPU slot and no longer pinned: a CPU hit, evictable."""
+    slot, _ = sched.slots.allocate(block)
+    sched.slots.unpin(slot)
+    sched.policy.ready.add(block)
+
+
+def test_staging_a_hit_never_evicts_the_hits_own_cpu_blocks():
+    """A long prompt's front goes to disk first (it is the oldest), so its hit is disk
+    blocks then CPU blocks, the CPU ones the least recently used in the tier. The
+    slot claimed to stage the disk block evicted the least recently used unpinned
+    block, the hit's own next one, pinned only after: planned lost (or read back from
+    disk, had it been written there), though the lookup had counted a slot to spare."""
+    sched = make_scheduler(capacity_slots=4, disk=DISK)
+    req = request("r1", 3)
+    front, *rest = [bytes(h) for h in req.block_hashes]
+    sched.policy.on_disk[front] = None
+    for block in rest:  # the hit's CPU blocks, oldest in the tier
+        ready_in_cpu_tier(sched, block)
+    for other in (b"x" * 32, b"y" * 32):  # blocks used since: what a staging should evict
+        ready_in_cpu_tier(sched, other)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(req, blocks_of([1, 2, 3, 4]), 3 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert [op.tier for op in job.ops] == ["disk", "cpu", "cpu"]
+    assert all(op.slot >= 0 for op in job.ops)
+    assert all(block in sched.policy.ready for block in rest)
+    assert b"x" * 32 not in sched.slots  # the least recently used block outside the hit
+
+
+def test_a_hit_cut_for_want_of_cpu_slots_is_counted():
+    """A disk hit staged through CPU slots while transfers hold every slot is cut to
+    nothing (vLLM computes the prompt): counted as a no_room decision, where it used
+    to leave no trace at all, neither a load nor a skip."""
+    sched = make_scheduler(capacity_slots=2, disk=DISK)
+    for held in (b"x" * 32, b"y" * 32):  # stores whose write-down is still running
+        sched.policy.claim(held)
+    req = request("r1", 2)
+    for h in req.block_hashes:
+        sched.policy.on_disk[bytes(h)] = None
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, blocks_of([1, 2, 3]), 0)
+    assert sched.take_decisions() == {("disk", "no_room"): 1}
+    assert sched.stats["decision_no_room_disk"] == 1
+
+
 def prom_metrics(labelnames: list[str], labelvalues: list[str]):
     """tiercache's metrics for vLLM, in a registry of their own: (metrics, registry)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -27,7 +27,8 @@ LOOKUP_BLOCKS = Counter("tiercache_lookup_blocks", "Blocks asked for in prefix l
 LOOKUP_HITS = Counter("tiercache_lookup_hits", "Blocks found in prefix lookups", ["tier"])
 LOAD_DECISIONS = Counter(
     "tiercache_load_decisions",
-    "Per request and tier holding part of its hit: loaded, or skipped as slower than recomputing it",
+    "Per request and tier holding part of its hit: loaded, skipped as slower than recomputing it, "
+    "or not loaded for want of a free CPU slot to stage it through (no_room)",
     ["tier", "decision"],
 )
 # The connector's own failures, kept out of vLLM (connector/guard.py).
