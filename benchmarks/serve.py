@@ -116,6 +116,17 @@ COUNTERS = {
     "tiercache_stores_dropped": ("vllm:tiercache_stores_dropped_total", {}),
     "tiercache_write_holds": ("vllm:tiercache_write_holds_total", {}),
     "tiercache_write_holds_refused": ("vllm:tiercache_write_holds_refused_total", {}),
+    # The cost model's and the CPU tier's cuts: a hit loaded, skipped as slower than
+    # recomputing it, or cut for want of CPU slots to stage it into.
+    **{
+        f"decision_{decision}_{tier}": (
+            "vllm:tiercache_load_decisions_total",
+            {"decision": decision, "tier": tier},
+        )
+        for decision in ("load", "skip", "no_room")
+        for tier in ("disk", "s3")
+    },
+    "hook_failures": ("vllm:tiercache_hook_failures_total", {}),
 }
 IN_FLIGHT = ("vllm:tiercache_loads_in_flight", "vllm:tiercache_stores_in_flight")
 
