@@ -27,7 +27,8 @@ def engine(tmp_path, redis_url, s3_endpoint, bucket):
         s3_endpoint=s3_endpoint,
         bucket=bucket,
         slots=4,
-        movers={"upload_slot_share": 1.0},
+        # test_engine's configs upload in-process; these tests are of the upload process.
+        movers={"upload_slot_share": 1.0, "upload_process": True},
     )
     buffer = CpuBuffer(4, BLOCK, pin_memory=False, shared=True)
     assert buffer.shared_fd is not None, "no memory file could be made for the CPU tier"
