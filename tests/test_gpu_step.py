@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_layerwise import NUM_BLOCKS
+from test_layerwise import make_worker as make_layerwise_worker
 
 from tiercache.config import build_config
 from tiercache.connector import worker as worker_module
@@ -26,7 +28,6 @@ from tiercache.index.keys import KVSpec
 from support.fake_cuda import FakeCopyStream
 from support.scheduler_steps import blocks_of, new_request, scheduler_output
 
-NUM_BLOCKS = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
@@ -44,14 +45,7 @@ def make_worker(kv, stream: FakeCopyStream, monkeypatch, fused: bool = False) ->
     """A worker on the CUDA path's twin: copies queued on `stream`, whose events end late."""
     copier = functools.partial(PagedKVCopier, staged=True, fused=fused, stream=stream)
     monkeypatch.setattr(worker_module, "PagedKVCopier", copier)
-    slot_bytes = PagedKVCopier(kv, NUM_BLOCKS).slot_bytes
-    config = build_config({"cpu": {"capacity": 8 * slot_bytes}})
-    spec = KVSpec("m", "", "float32", "auto", 32, "cpu", len(kv), 2, 16, 1, 0, "t", slot_bytes)
-    worker = TierCacheWorker(
-        config, spec, "digest", NUM_BLOCKS, tp_rank=0, writes_lower_tiers=True, disk_share=0
-    )
-    worker.register_kv_caches(kv, slot_bytes)
-    return worker
+    return make_layerwise_worker(kv)
 
 
 def step(worker: TierCacheWorker, meta: TierCacheMetadata, finished=frozenset(), layers=LAYERS):
