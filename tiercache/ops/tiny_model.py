@@ -22,8 +22,6 @@ def write_tiny_llama(
     dtype: str = "float32",
 ) -> Path:
     """Write config.json and random safetensors weights; reuse them if already there."""
-    path = Path(path)
-    marker = path / "tiercache-model.json"
     spec = {
         "num_layers": num_layers,
         "hidden_size": hidden_size,
@@ -35,29 +33,25 @@ def write_tiny_llama(
         "seed": seed,
         "dtype": dtype,
     }
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_positions,
-        initializer_range=0.2,
-        torch_dtype=dtype,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(spec))
-    return path
+    def build():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size or hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_positions,
+            initializer_range=0.2,
+            torch_dtype=dtype,
+            tie_word_embeddings=False,
+        )
+        return LlamaForCausalLM(config)
+
+    return _write_once(path, spec, build)
 
 
 def _write_once(path: str | Path, spec: dict, build) -> Path:
@@ -74,6 +68,23 @@ def _write_once(path: str | Path, spec: dict, build) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     marker.write_text(json.dumps(spec))
     return path
+
+
+def _hybrid_attention(spec: dict) -> dict:
+    """The config settings the hybrid writers share, from their spec."""
+    return {
+        "vocab_size": spec["vocab_size"],
+        "hidden_size": spec["hidden_size"],
+        "intermediate_size": spec["hidden_size"] * 2,
+        "num_hidden_layers": len(spec["layer_types"]),
+        "num_attention_heads": spec["num_heads"],
+        "num_key_value_heads": spec["num_kv_heads"],
+        "head_dim": spec["head_dim"],
+        "layer_types": list(spec["layer_types"]),
+        "max_position_embeddings": spec["max_positions"],
+        "initializer_range": 0.2,
+        "torch_dtype": spec["dtype"],
+    }
 
 
 def write_tiny_gemma3(
@@ -110,18 +121,8 @@ def write_tiny_gemma3(
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config = Gemma3TextConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=len(layer_types),
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            layer_types=list(layer_types),
+            **_hybrid_attention(spec),
             sliding_window=sliding_window,
-            max_position_embeddings=max_positions,
-            initializer_range=0.2,
-            torch_dtype=dtype,
         )
         return Gemma3ForCausalLM(config)
 
@@ -162,14 +163,7 @@ def write_tiny_qwen3_next(
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         config = Qwen3NextConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=len(layer_types),
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            layer_types=list(layer_types),
+            **_hybrid_attention(spec),
             # Head dims vLLM's CPU gated delta-net kernel takes (Qwen3-Next's own),
             # one head each: a state (66 KiB) that a 32-token attention page of 4 KV
             # heads of 256 holds in bf16 (vLLM otherwise raises the block size).
@@ -184,9 +178,6 @@ def write_tiny_qwen3_next(
             shared_expert_intermediate_size=hidden_size,
             mlp_only_layers=[],
             decoder_sparse_step=1,
-            max_position_embeddings=max_positions,
-            initializer_range=0.2,
-            torch_dtype=dtype,
         )
         return Qwen3NextForCausalLM(config)
 
