@@ -243,20 +243,7 @@ class TierCacheWorker:
                 1, thread_name_prefix="tiercache-layers", initializer=helper_thread
             )
         num_slots = slots_for(self.config.cpu.capacity, copier.slot_bytes)
-        # In shared memory where the upload process will read it (see uploader.py).
-        uploads_apart = (
-            self.writes_lower_tiers
-            and self.config.s3 is not None
-            and self.config.movers.upload_process
-            and not copier.on_cuda
-        )
-        self.buffer = CpuBuffer(num_slots, copier.slot_bytes, shared=uploads_apart)
-        if uploads_apart and self.buffer.shared_fd is None:
-            log.warning(
-                "tiercache: the CPU tier's %d bytes could not be shared, so S3 uploads run in the "
-                "worker process",
-                num_slots * copier.slot_bytes,
-            )
+        self.buffer = CpuBuffer(num_slots, copier.slot_bytes)
         copier.warm_up(self.buffer)
         layout, dtype, shapes = copier.describe()
         # Objects this rank may read layer by layer into the paged KV carry a checksum
@@ -276,14 +263,13 @@ class TierCacheWorker:
             on_disk_remove=self._on_disk_remove,
         )
         log.info(
-            "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s%s",
+            "tiercache: rank %d, %d CPU slots of %d bytes (%s), disk=%s, s3=%s",
             self.tp_rank,
             num_slots,
             copier.slot_bytes,
-            "pinned" if self.buffer.pinned else "shared" if self.buffer.shared_fd is not None else "pageable",
+            "pinned" if self.buffer.pinned else "pageable",
             self.engine.disk is not None,
             self.engine.s3 is not None,
-            f" (uploads from process {self.engine.uploads.pid})" if self.engine.uploads else "",
         )
 
     def unregister_kv_caches(self) -> None:
@@ -1116,5 +1102,3 @@ class TierCacheWorker:
             self._layer_helper.shutdown(wait=True)
         if self.engine is not None:
             self.engine.close()
-        if self.buffer is not None:
-            self.buffer.close()

@@ -135,6 +135,26 @@ def test_the_removed_promote_on_hit_is_refused_and_says_why():
     assert "promote_on_hit" not in MoverConfig.model_fields
 
 
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_the_removed_upload_process_is_refused_and_says_why(tmp_path, where):
+    """S3 uploads ran from a process of their own on hosts without CUDA until serving
+    runs showed it made no difference (docs/benchmarks.md). A configuration that still
+    sets movers.upload_process, in its file or its environment, is told it was removed,
+    by name, rather than that the key is unknown."""
+    path = tmp_path / "tiercache.yaml"
+    if where == "file":
+        path.write_text("movers:\n  upload_process: true\n")
+        environ = {}
+    else:
+        path.write_text("movers:\n  workers: 2\n")
+        environ = {"TIERCACHE_MOVERS__UPLOAD_PROCESS": "false"}
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=environ)
+    (problem,) = info.value.problems
+    assert problem.startswith("movers.upload_process: removed") and "delete it" in problem
+    assert "upload_process" not in MoverConfig.model_fields
+
+
 def test_s3_without_redis_is_refused():
     with pytest.raises(ConfigError) as info:
         build_config({"s3": {"bucket": "kv"}}, environ={})

@@ -48,9 +48,7 @@ def new_model() -> str:
 
 
 def make_config(tmp_path, *, redis_url=None, s3_endpoint=None, bucket=None, disk="disk", slots=4, **sections):
-    # Uploads in this process, where the tests below slow or fail them (the upload
-    # process has tests of its own: test_uploader.py).
-    data_ = {"cpu": {"capacity": slots * BLOCK}, "movers": {"workers": 2, "upload_process": False}}
+    data_ = {"cpu": {"capacity": slots * BLOCK}, "movers": {"workers": 2}}
     if disk:
         data_["disk"] = {"path": str(tmp_path / disk), "capacity": "64MiB"}
     if redis_url:

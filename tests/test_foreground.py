@@ -4,9 +4,6 @@ by it, and the connector's worker holding it exactly for forwards that copy hits
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -78,37 +75,31 @@ def test_a_hold_counts_at_most_max_hold_against_the_share():
 
 def test_a_lingering_hold_ends_by_itself_and_counts_only_until_then():
     clock = FakeClock()
-    gate = ForegroundGate(max_hold=0.5, max_share=0.5, window=2.0, clock=clock, shared=True)
-    try:
-        assert gate.hold()
-        clock.now += 0.1
-        gate.release_after(0.02)
-        assert gate.held and gate.flag.ends_at == clock.now + 0.02  # the upload process stops then too
-        clock.now += 0.03
-        assert not gate.held
-        gate.wait()  # past its end: nobody waits
-        clock.now += 10.0  # long after: only the 0.12 s held count, and they have faded
-        assert gate.hold() and gate._held_seconds == 0.0
-    finally:
-        gate.close()
+    gate = ForegroundGate(max_hold=0.5, max_share=0.5, window=2.0, clock=clock)
+    assert gate.hold()
+    clock.now += 0.1
+    gate.release_after(0.02)
+    assert gate.held and gate._ends_at() == clock.now + 0.02
+    clock.now += 0.03
+    assert not gate.held
+    gate.wait()  # past its end: nobody waits
+    clock.now += 10.0  # long after: only the 0.12 s held count, and they have faded
+    assert gate.hold() and gate._held_seconds == 0.0
 
 
 def test_a_step_with_hits_during_the_linger_keeps_the_hold_until_released():
     clock = FakeClock()
-    gate = ForegroundGate(max_hold=0.5, clock=clock, shared=True)
-    try:
-        assert gate.hold()
-        gate.release_after(0.02)
-        clock.now += 0.01
-        assert gate.hold()  # the next step loads hits too
-        clock.now += 0.05
-        assert gate.held and gate.flag.ends_at == 100.5  # bound by max_hold again, no longer the grace
-        gate.release_after(1.0)  # a grace never stretches a hold past its max_hold
-        assert gate.flag.ends_at == 100.5
-        gate.release()
-        assert not gate.held and gate.flag.ends_at == 0.0
-    finally:
-        gate.close()
+    gate = ForegroundGate(max_hold=0.5, clock=clock)
+    assert gate.hold()
+    gate.release_after(0.02)
+    clock.now += 0.01
+    assert gate.hold()  # the next step loads hits too
+    clock.now += 0.05
+    assert gate.held and gate._ends_at() == 100.5  # bound by max_hold again, no longer the grace
+    gate.release_after(1.0)  # a grace never stretches a hold past its max_hold
+    assert gate._ends_at() == 100.5
+    gate.release()
+    assert not gate.held and gate._ends_at() is None
 
 
 def test_the_engine_writes_nothing_down_while_the_gate_is_held(tmp_path):
@@ -282,47 +273,6 @@ def test_a_disk_write_under_way_stops_between_pieces_while_the_gate_is_held(tmp_
         assert engine.read_into(b"k" * 32, out, DISK) and bytes(out) == b"x" * slot
     finally:
         engine.close()
-
-
-def test_a_follower_in_another_process_waits_while_held_and_no_longer_than_max_hold():
-    gate = ForegroundGate(max_hold=0.3, shared=True)
-    assert gate.flag is not None
-    child = textwrap.dedent(
-        f"""
-        import time
-        from tiercache.foreground import GateFollower
-        follower = GateFollower({gate.flag.fd})
-        print("held" if follower.flag.held else "free", flush=True)
-        follower.wait()  # never released: goes on once the hold's 0.3 s are over
-        print("bounded", flush=True)
-        while not follower.flag.held:  # the worker's next hold, bounded at 60 s
-            time.sleep(0.01)
-        follower.wait()  # goes on when the worker releases it
-        print("released", follower.waits, flush=True)
-        """
-    )
-    try:
-        assert gate.hold()
-        process = subprocess.Popen(
-            [sys.executable, "-c", child], pass_fds=(gate.flag.fd,), stdout=subprocess.PIPE, text=True
-        )
-        assert process.stdout is not None
-        # A wait that never ended would hang the reads below: the child goes at 20 s.
-        watchdog = threading.Timer(20.0, process.kill)
-        watchdog.start()
-        assert process.stdout.readline().strip() == "held"
-        assert process.stdout.readline().strip() == "bounded"
-        gate.release()
-        gate.max_hold = 60.0
-        assert gate.hold()
-        time.sleep(0.2)  # the child is in its second wait
-        assert process.poll() is None
-        gate.release()
-        out, _ = process.communicate(timeout=30)
-        watchdog.cancel()
-        assert out.split() == ["released", "2"] and process.returncode == 0
-    finally:
-        gate.close()
 
 
 def test_a_hold_keeps_a_write_back_no_longer_than_max_hold_however_many_pieces(tmp_path):

@@ -44,7 +44,7 @@ def make_engine(tmp_path, redis_url, s3_endpoint, bucket, *, pack=16, slots=64, 
         {
             "redis_url": redis_url,
             "cpu": {"capacity": slots * BLOCK},
-            "movers": {"workers": 2, "queue_depth": 256, "upload_process": False},
+            "movers": {"workers": 2, "queue_depth": 256},
             "integrity_key": INTEGRITY_KEY,
             "s3": {
                 "bucket": bucket,

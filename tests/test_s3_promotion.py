@@ -32,7 +32,7 @@ def worker_for(tmp_path, name: str, redis_url: str, endpoint: str, bucket: str, 
             "disk": {"path": str(tmp_path / name)},
             "redis_url": redis_url,
             "s3": {"bucket": bucket, "endpoint_url": endpoint, "region": "us-east-1"},
-            "movers": {"policy": policy, "upload_process": False, "cost_model": "off"},
+            "movers": {"policy": policy, "cost_model": "off"},
         }
     )
     spec = KVSpec("m", "", "float32", "auto", 16, "cpu", len(LAYERS), 2, 8, 1, 0, "t", slot_bytes)

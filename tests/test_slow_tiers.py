@@ -137,7 +137,7 @@ def tiered_cache(tmp_path, redis_url, bucket, s3_url: str, **movers) -> tuple[Co
             "cpu": {"capacity": SLOTS * BLOCK},
             "disk": {"path": str(tmp_path / "disk"), "capacity": "64MiB"},
             "s3": {"bucket": bucket, "endpoint_url": s3_url, "region": "us-east-1", "max_attempts": 1},
-            "movers": {"upload_process": False, **movers},
+            "movers": movers,
         },
         environ={},
     )
@@ -221,7 +221,7 @@ def test_a_staged_load_past_its_deadline_is_a_recompute_and_its_late_read_lands_
                 "max_attempts": 1,
                 "pack_flush_seconds": 0.1,
             },
-            "movers": {"upload_process": False, "load_deadline_seconds": 0.3},
+            "movers": {"load_deadline_seconds": 0.3},
         },
         environ={},
     )

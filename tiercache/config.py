@@ -267,9 +267,9 @@ class MoverConfig(_Strict):
         "and recomputed (its slots are freed once the late read ends, and never served)",
     )
     # CPU backend only: movers start no new block while a step that serves a hit runs,
-    # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On since
-    # serving runs with it on and off served the same (docs/benchmarks-e2e.md,
-    # "What the investigations found").
+    # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On: with it
+    # off, serving runs of repeated prefixes served fewer requests per second
+    # (docs/benchmarks.md, "CPU-backend mechanisms under serving load").
     yield_to_loads: bool = Field(
         default=True,
         description="vLLM's CPU backend: while a step that serves a cache hit runs, the movers start no "
@@ -281,11 +281,6 @@ class MoverConfig(_Strict):
         le=1,
         description="the most of the CPU tier's slots that S3 uploads may hold at once; past it a "
         "store goes to disk only (counted as a dropped S3 write), so a slow S3 cannot pin the tier",
-    )
-    upload_process: bool = Field(
-        default=True,
-        description="in a vLLM worker on a host without CUDA, upload to S3 from a process of its own, "
-        "so that the forward never waits behind request signing for the interpreter lock",
     )
     cost_model: Annotated[Literal["on", "off"], BeforeValidator(_on_off)] = Field(
         default="on",
@@ -442,6 +437,9 @@ def redact_url(url: str) -> str:
 _REMOVED = {
     "movers.promote_on_hit": "removed: it never had an effect (a hit from disk or S3 is always "
     "promoted into the CPU tier); delete it",
+    "movers.upload_process": "removed: S3 uploads run on the worker's own upload threads, since "
+    "an upload process of their own made no measurable difference to serving "
+    "(docs/benchmarks.md); delete it",
 }
 
 

@@ -23,7 +23,7 @@ from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
-from tiercache.threads import any_cpu_thread, background_nice, background_thread, spare_cpus
+from tiercache.threads import any_cpu_thread, background_thread
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk.tier import DiskPages, DiskTier
@@ -31,7 +31,6 @@ from tiercache.tiers.format import ObjectHeader
 from tiercache.tiers.s3.reader import S3Reader
 from tiercache.tiers.s3.run_packer import RunPacker
 from tiercache.tiers.s3.tier import S3Tier
-from tiercache.tiers.s3.uploader import UploadProcess, UploadSetup
 from tiercache.tiers.s3.writer import S3Writer
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,7 @@ class _Upload:
     """A block waiting in the run packer for its S3 upload."""
 
     result: WriteResult
-    data: bytes | None
-    view: memoryview
+    view: memoryview  # the block: its CPU slot, or bytes of its own
     header: ObjectHeader
     on_done: Callable[[WriteResult], None]
 
@@ -111,18 +109,9 @@ class TierEngine:
         if s3 is None and config.s3 is not None:
             self.s3 = S3Tier(config.s3, integrity_key=self._integrity_key)
         self.s3_writer: S3Writer | None = None
-        self.uploads: UploadProcess | None = None
-        uploads_apart = (
-            self.s3 is not None
-            and self.leases is not None
-            and buffer.shared_fd is not None
-            and s3 is None
-            and config.movers.upload_process
-        )
         # Held by the connector's worker while a forward that loads hits runs on the
-        # CPU backend (see foreground.py); never held elsewhere. The upload process
-        # follows it through a shared page.
-        self.foreground = ForegroundGate(shared=uploads_apart)
+        # CPU backend (see foreground.py); never held elsewhere.
+        self.foreground = ForegroundGate()
         if self.disk is not None:
             self.disk.pace = self.foreground.wait
         if self.s3 is not None and s3 is None:
@@ -136,23 +125,6 @@ class TierEngine:
                 config.redis.write_lease_ttl,
                 closing=lambda: self._closed,
             )
-            if uploads_apart:
-                # Both set when uploads go apart.
-                assert self.foreground.flag is not None and buffer.shared_fd is not None
-                self.uploads = UploadProcess(
-                    UploadSetup(
-                        config,
-                        shape.model_digest,
-                        shape.rank_digest,
-                        buffer.shared_fd,
-                        buffer.slot_bytes,
-                        buffer.num_slots,
-                        frozenset(spare_cpus()),
-                        background_nice(),
-                        self.foreground.flag.fd,
-                    )
-                )
-                self.uploads.pace = self.foreground.wait
         # The object tiers this engine has, fastest first, and how each is read: the
         # disk directly, S3 under a read lease that keeps GC off the object.
         self.lower: dict[str, DiskTier | S3Tier] = {
@@ -179,10 +151,10 @@ class TierEngine:
         self._uploaders = ThreadPoolExecutor(
             movers.workers, thread_name_prefix="tiercache-upload", initializer=background_thread
         )
-        # An upload reads its block from the CPU slot (so does the upload process), so
-        # the slot stays pinned until S3 answers. At most this many slots are held that
-        # way: past it a block goes to disk only, and a slow S3 cannot pin the whole
-        # tier and make the scheduler drop stores.
+        # An upload reads its block from the CPU slot, so the slot stays pinned until
+        # S3 answers. At most this many slots are held that way: past it a block goes
+        # to disk only, and a slow S3 cannot pin the whole tier and make the scheduler
+        # drop stores.
         self.upload_slot_limit = max(1, int(buffer.num_slots * movers.upload_slot_share))
         self._upload_slots = 0
         self._stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage")
@@ -299,7 +271,7 @@ class TierEngine:
                 data = bytes(upload[0])
                 upload = (memoryview(data), upload[1])
                 self._free_slot(result, on_slot_free)
-            self._packer.add(group, number, _Upload(result, data, *upload, on_done))
+            self._packer.add(group, number, _Upload(result, *upload, on_done))
             return
         if S3 in tiers:
             result.stored.setdefault(S3, False)
@@ -326,10 +298,7 @@ class TierEngine:
     def _upload_run_task(self, run: list[_Upload]) -> None:
         self.foreground.wait()
         try:
-            if self.uploads is not None:
-                blocks = [(u.result.block_hash, u.result.slot, u.data, u.header) for u in run]
-                stored = self.uploads.upload_run(blocks)
-            elif self.s3_writer is not None:
+            if self.s3_writer is not None:
                 stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
             else:
                 stored = [False] * len(run)
@@ -461,10 +430,7 @@ class TierEngine:
         self._stagers.shutdown(wait=False, cancel_futures=True)
         self._s3_stagers.shutdown(wait=False, cancel_futures=True)
         self._disk_readers.shutdown(wait=False, cancel_futures=True)
-        if self.uploads is not None:
-            self.uploads.close()
         if self.s3 is not None:
             self.s3.close()
         if self.disk is not None:
             self.disk.close()
-        self.foreground.close()

@@ -9,19 +9,18 @@ that arrives while its own prompt is still being written down (the usual case: t
 same prefix asked again at once) paid for both. So while a step that loads hits runs,
 the movers start no new block, and the writes already under way stop between pieces:
 a disk write between its pieces (tiers/disk/tier.py, PIECE_BYTES), a block's copy for its
-S3 run before it starts, an upload between the reads of its body and between the
-blocks it hands to the upload process, which follows the hold through a shared page
-(`GateFlag`). The rest goes on at the step's end.
+S3 run before it starts, an upload between the reads of its body. The rest goes on at
+the step's end.
 
 A hold covers the whole step that loads hits, not only its forward: it starts when
 the worker is handed the step (before vLLM prepares the step's inputs) and, once the
 forward is over, lingers until the next step begins or `OUTPUT_GRACE` seconds pass,
 while the step samples its token and hands it through the engine core to the front
-end. Those processes share the spare core with the movers and the upload process: a
-2000-token hit asked while its prompt was being written down spent about 2.5 ms more
-preparing its inputs and 4-5 ms more handing its token on than a quiet one, with the
-hold covering the forward only. Steps that load hits one after another share one
-hold, so its `max_hold` bounds how long the whole run of them keeps writes back.
+end. Those processes share the spare core with the movers: a 2000-token hit asked
+while its prompt was being written down spent about 2.5 ms more preparing its inputs
+and 4-5 ms more handing its token on than a quiet one, with the hold covering the
+forward only. Steps that load hits one after another share one hold, so its
+`max_hold` bounds how long the whole run of them keeps writes back.
 
 Stores must not starve under a steady stream of hits, so a hold keeps writes back for
 at most `max_hold` seconds, however many pieces they wait at, and no hold starts while
@@ -30,64 +29,14 @@ writes share the bus as before."""
 
 from __future__ import annotations
 
-import mmap
-import os
-import struct
 import threading
 import time
 from collections.abc import Callable
 
-# How often a follower in another process looks at a hold it waits on.
-_POLL_SECONDS = 0.001
-_DEADLINE = struct.Struct("d")
 # How long a hold lingers after the forward of a step that loaded hits, when no next
 # step begins sooner: the step's sampling and the trip of its token through the engine
 # core to the front end (about 13 ms for a 2000-token hit on a 2-core host).
 OUTPUT_GRACE = 0.03
-
-
-class GateFlag:
-    """The gate's state for the upload process, in a shared page: when the hold under
-    way stops holding anyone (`time.monotonic()`, the same clock in every process of
-    the host), 0 when none is. An anonymous memory file: the child gets its descriptor
-    (pass_fds), so nothing is left in /dev/shm if either process dies."""
-
-    def __init__(self, fd: int | None = None):
-        self.fd = os.memfd_create("tiercache-gate") if fd is None else fd
-        if fd is None:
-            os.ftruncate(self.fd, mmap.PAGESIZE)
-        self._map = mmap.mmap(self.fd, mmap.PAGESIZE)
-
-    @property
-    def ends_at(self) -> float:
-        return _DEADLINE.unpack_from(self._map)[0]
-
-    @property
-    def held(self) -> bool:
-        return time.monotonic() < self.ends_at
-
-    def set(self, ends_at: float) -> None:
-        _DEADLINE.pack_into(self._map, 0, ends_at)
-
-    def close(self) -> None:
-        self._map.close()
-        os.close(self.fd)
-
-
-class GateFollower:
-    """The upload process's side of a GateFlag: its writes wait while the worker holds
-    the gate, never past the bound the page carries (the worker's max_hold)."""
-
-    def __init__(self, fd: int):
-        self.flag = GateFlag(fd)
-        self.waits = 0  # reads that found a hold (for tests)
-
-    def wait(self) -> None:
-        if not self.flag.held:
-            return
-        self.waits += 1
-        while self.flag.held:
-            time.sleep(_POLL_SECONDS)
 
 
 class ForegroundGate:
@@ -97,9 +46,7 @@ class ForegroundGate:
         max_share: float = 0.5,
         window: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
-        shared: bool = False,
     ):
-        """`shared`: mirror holds into a GateFlag (`flag`) that another process follows."""
         self.max_hold = max_hold
         self.max_share = max_share
         self.window = window
@@ -115,7 +62,6 @@ class ForegroundGate:
         self._counted_at = clock()
         self.holds = 0  # holds started (for tests and stats)
         self.skipped = 0  # holds refused because the budget was spent
-        self.flag = GateFlag() if shared else None
 
     def hold(self) -> bool:
         """A step that loads hits starts its forward. False (and nothing held) when
@@ -126,8 +72,6 @@ class ForegroundGate:
             if self._held_since is not None:
                 # A hold still lingering after the last step goes on for this one.
                 self._until = None
-                if self.flag is not None:
-                    self.flag.set(self._held_since + self.max_hold)
                 return True
             self._decay(now)
             if self._held_seconds >= self.max_share * self.window:
@@ -136,8 +80,6 @@ class ForegroundGate:
             self._held_since = now
             self.holds += 1
             self._open.clear()
-            if self.flag is not None:
-                self.flag.set(now + self.max_hold)
             return True
 
     def release(self) -> None:
@@ -156,8 +98,6 @@ class ForegroundGate:
             until = min(self.clock() + seconds, self._held_since + self.max_hold)
             if self._until is None or until < self._until:
                 self._until = until
-                if self.flag is not None:
-                    self.flag.set(until)
 
     def _end_if_over(self, now: float) -> None:
         if self._held_since is not None and self._until is not None and now >= self._until:
@@ -170,8 +110,6 @@ class ForegroundGate:
         self._held_seconds += min(max(0.0, end - self._held_since), self.max_hold)
         self._held_since = None
         self._until = None
-        if self.flag is not None:
-            self.flag.set(0.0)
         self._open.set()
 
     def wait(self) -> None:
@@ -197,13 +135,6 @@ class ForegroundGate:
     def held(self) -> bool:
         ends = self._ends_at()
         return ends is not None and self.clock() < ends
-
-    def close(self) -> None:
-        """Frees the shared page; holds after this are kept in this process only."""
-        with self._lock:
-            flag, self.flag = self.flag, None
-        if flag is not None:
-            flag.close()
 
     def _decay(self, now: float) -> None:
         elapsed = now - self._counted_at

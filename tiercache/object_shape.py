@@ -1,6 +1,6 @@
 """What every object of one rank looks like: its key and the header written into it.
 Apart from the tier engine so that the scheduler, the service and the tools can name
-objects without importing the movers (boto3, the upload process)."""
+objects without importing the movers (boto3)."""
 
 from __future__ import annotations
 

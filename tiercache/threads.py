@@ -53,7 +53,9 @@ def background_thread() -> None:
     """ThreadPoolExecutor initializer for background work: off the compute cores and
     at a lower priority. Threads this thread starts inherit both."""
     move_to_spare_cpus()
-    run_at(set(), background_nice())
+    # Linux applies a thread id given to setpriority to that thread alone.
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), background_nice())
 
 
 def background_nice() -> int:
@@ -63,22 +65,6 @@ def background_nice() -> int:
     except (OSError, AttributeError):
         nice = 0
     return min(19, nice + BACKGROUND_NICE_INCREMENT)
-
-
-def run_at(cpus: set[int] | frozenset[int], nice: int) -> None:
-    """Bind the calling thread to `cpus` (if any) and set its nice value."""
-    run_on(threading.get_native_id(), cpus, nice)
-
-
-def run_on(tid: int, cpus: set[int] | frozenset[int], nice: int) -> None:
-    """Bind thread `tid` (a process's id is its main thread's) to `cpus` (if any) and
-    set its nice value, as far as the system allows; threads it starts later inherit
-    both. Linux applies a thread id given to setpriority to that thread alone."""
-    if cpus:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, cpus)
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def any_cpu_thread() -> None:

@@ -8,9 +8,6 @@ block, and each worker holds the bytes of its own TP shard in the same slot numb
 
 from __future__ import annotations
 
-import logging
-import mmap
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
@@ -22,7 +19,6 @@ from tiercache.errors import CpuTierFull
 from tiercache.metrics import TIER_CAPACITY, TIER_EVICTIONS, TIER_USAGE
 from tiercache.tiers import CPU
 
-log = logging.getLogger(__name__)
 TIER = CPU
 ALIGN = 4096
 
@@ -147,36 +143,20 @@ class SlotAllocator(Generic[K]):
 
 
 class CpuBuffer:
-    """`num_slots` x `slot_bytes` of host memory, allocated once.
+    """`num_slots` x `slot_bytes` of host memory, allocated once: page-locked (pinned)
+    where CUDA is, so copies to and from the GPU run asynchronously."""
 
-    With `shared`, the memory is an anonymous memory file (memfd, `shared_fd`) that
-    another process may map: the upload process gets the descriptor when it starts
-    (pass_fds) and reads blocks from it (see tiers/s3/uploader.py). It has no name in
-    /dev/shm, so nothing is left behind however the processes die, in whatever pid
-    namespace (a restarted container), and /dev/shm's size does not bound it.
-    Shared memory is not page-locked, so `shared` is for hosts without CUDA; it falls
-    back to private memory (shared_fd None) where a memory file cannot be made."""
-
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None, shared: bool = False):
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = pin_memory
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.shared_fd: int | None = None
         nbytes = num_slots * slot_bytes
-        if shared and not pin_memory:
-            self.shared_fd = _memory_file(nbytes)
-        if self.shared_fd is not None:
-            # mmap'd, so already on a page boundary.
-            self._map = mmap.mmap(self.shared_fd, nbytes)
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
-            self.tensor = self.tensor.view(num_slots, slot_bytes)
-        else:
-            # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
-            offset = (-raw.data_ptr()) % ALIGN
-            self.tensor = raw[offset : offset + nbytes].view(num_slots, slot_bytes)
+        # Start on a 4 KiB boundary so the disk tier can use O_DIRECT on whole slots.
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+        offset = (-raw.data_ptr()) % ALIGN
+        self.tensor = raw[offset : offset + nbytes].view(num_slots, slot_bytes)
         # Touch every page now so the first hit does not pay for page faults.
         self.tensor.zero_()
         self._array = self.tensor.numpy()
@@ -184,30 +164,6 @@ class CpuBuffer:
     def view(self, slot: int) -> memoryview:
         """A writable view of one slot's bytes for file and socket I/O (no copy)."""
         return memoryview(self._array[slot]).cast("B")
-
-    def close(self) -> None:
-        """Close the memory file's descriptor (its memory goes with the last mapping):
-        no upload process can be started on it after this."""
-        if self.shared_fd is not None:
-            os.close(self.shared_fd)
-            self.shared_fd = None
-
-
-def _memory_file(nbytes: int) -> int | None:
-    """A descriptor of a new anonymous memory file of `nbytes` (close-on-exec: only a
-    child it is handed to explicitly gets it), or None where none can be made."""
-    try:
-        fd = os.memfd_create("tiercache-cpu-tier")
-    except (AttributeError, OSError) as error:  # no memfd on this platform or kernel
-        log.warning("tiercache: no memory file for a shared CPU tier (%s): it stays private", error)
-        return None
-    try:
-        os.ftruncate(fd, nbytes)
-    except OSError as error:
-        os.close(fd)
-        log.warning("tiercache: no memory file for a shared CPU tier (%s): it stays private", error)
-        return None
-    return fd
 
 
 def slots_for(capacity: int, slot_bytes: int) -> int:

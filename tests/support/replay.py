@@ -192,7 +192,6 @@ class Replay:
                 **tiers,
                 "namespace": "replay",
                 "cpu": {"capacity": header["cpu_slots"] * slot_bytes},
-                "movers": {"upload_process": False},
             }
         )
         spec = KVSpec(

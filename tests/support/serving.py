@@ -70,8 +70,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 class Leftovers:
     """What a server's process tree held while it ran, to look for after it ended."""
 
-    # Shared memory mapped: /dev/shm paths, and tiercache's memory files (the CPU tier
-    # shared with the upload process), which have no path to outlive anyone.
+    # Shared memory mapped: /dev/shm paths.
     shm_segments: set[str] = field(default_factory=set)
     processes: dict[int, tuple[float, str]] = field(default_factory=dict)  # pid -> (start, cmdline)
 
@@ -138,7 +137,7 @@ class VllmServer:
             with contextlib.suppress(psutil.Error):
                 found.processes[proc.pid] = (proc.create_time(), " ".join(proc.cmdline()))
                 for mapping in proc.memory_maps(grouped=True):
-                    if mapping.path.startswith(("/dev/shm/", "/memfd:tiercache")):
+                    if mapping.path.startswith("/dev/shm/"):
                         found.shm_segments.add(mapping.path)
         return found
 

@@ -508,8 +508,6 @@ def rss_probe(args: dict[str, Any]) -> dict[str, Any]:
             "cpu": {"capacity": capacity},
             "disk": {"path": args["disk"], "capacity": 4 * blocks * (block_bytes + 8192)},
             "s3": {"bucket": args["bucket"], "prefix": "rss/", "endpoint_url": args["s3_endpoint"]},
-            # Uploads in this process: its RSS is then all of the cache's memory.
-            "movers": {"upload_process": False},
         },
         environ={},
     )

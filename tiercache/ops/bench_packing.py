@@ -50,11 +50,7 @@ def _measure(
             "redis_url": redis_url,
             "cpu": {"capacity": blocks_per_prompt * block_bytes},
             # Every slot may wait for S3: a prompt's blocks are all in flight at once.
-            "movers": {
-                "upload_process": False,
-                "queue_depth": 4 * blocks_per_prompt,
-                "upload_slot_share": 1.0,
-            },
+            "movers": {"queue_depth": 4 * blocks_per_prompt, "upload_slot_share": 1.0},
             "s3": {
                 "bucket": bucket,
                 "prefix": "bench-requests/",

@@ -1,8 +1,5 @@
 """A run's write to S3 under the write leases: of many concurrent writers of a block
-exactly one uploads it, and a run is indexed only after its PUT succeeded.
-
-It imports neither torch nor vLLM, so the upload process (uploader.py) can run it
-too."""
+exactly one uploads it, and a run is indexed only after its PUT succeeded."""
 
 from __future__ import annotations
 
