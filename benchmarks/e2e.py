@@ -40,6 +40,7 @@ from harness import (
     decode_rate,
     machine,
     median,
+    model_params,
     print_ttft_table,
     prompt,
     request,
@@ -292,7 +293,7 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
     return {
         "machine": machine(),
         "args": vars(args),
-        "model": {**MODEL, "params": int((Path(args.workdir) / "model" / "params.txt").read_text())},
+        "model": {**MODEL, "params": model_params(Path(args.workdir) / "model")},
         "lengths": lengths,
         "table": table,
         "decode": decode,

@@ -38,24 +38,31 @@ MODEL = dict(
 
 
 def write_model(path: Path) -> Path:
-    """A random float32 Llama (initializer_range 0.2, so outputs depend on the KV).
-    Reused when the same spec is already there."""
-    seed = 0
-    spec = {**MODEL, "seed": seed}
-    marker = path / "bench-model.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The benchmark model, random float32 weights (initializer_range 0.2, so outputs
+    depend on the KV). Reused when the same spec is already there."""
+    from tiercache.ops.tiny_model import write_tiny_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**MODEL, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).float()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
-    marker.write_text(json.dumps(spec))
-    return path
+    return write_tiny_llama(
+        path,
+        num_layers=MODEL["num_hidden_layers"],
+        hidden_size=MODEL["hidden_size"],
+        num_heads=MODEL["num_attention_heads"],
+        num_kv_heads=MODEL["num_key_value_heads"],
+        head_dim=MODEL["head_dim"],
+        vocab_size=MODEL["vocab_size"],
+        max_positions=MODEL["max_position_embeddings"],
+        intermediate_size=MODEL["intermediate_size"],
+    )
+
+
+def model_params(path: Path) -> int:
+    """Parameters in the weights write_model wrote."""
+    from math import prod
+
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as weights:
+        return sum(prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -50,6 +50,7 @@ from harness import (
     RESULTS,
     Requests,
     machine,
+    model_params,
     print_ttft_table,
     save,
     summarize_rows,
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data["lmcache_server"] = server_info
     with open(work / "model" / "model.safetensors", "rb") as weights:
         sha256 = hashlib.file_digest(weights, "sha256").hexdigest()
-    data["model"] = {**MODEL, "params": int((work / "model" / "params.txt").read_text()), "sha256": sha256}
+    data["model"] = {**MODEL, "params": model_params(work / "model"), "sha256": sha256}
     return data
 
 

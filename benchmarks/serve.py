@@ -668,7 +668,7 @@ def main() -> None:
     )
     parser.add_argument("--kv-blocks", type=int, default=160, help="vLLM's KV cache, in 32-token blocks")
     parser.add_argument("--cpu-blocks", type=int, default=320, help="tiercache CPU tier and LMCache L1")
-    parser.add_argument("--disk-blocks", type=int, default=480, help="tiercache disk tier")
+    parser.add_argument("--disk-blocks", type=int, default=1024, help="tiercache disk tier")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

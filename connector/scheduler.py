@@ -512,16 +512,20 @@ class TierCacheScheduler:
         """Each disk or S3 block is staged through a CPU slot of its own. A hit that
         needs more slots than transfers leave free is cut where they run out: the
         rest is computed, rather than planned, failed and recovered by vLLM."""
-        # This hit pins its own CPU blocks too; those a transfer already pins (a
-        # write-through still running) are not in unpinned() to begin with.
-        cpu_blocks = [bytes(h) for h, tier in zip(hashes, tiers, strict=True) if tier == CPU]
-        room = self.policy.room_for_staging(cpu_blocks)
-        needed = 0
+        # A staging evicts an unpinned slot, and the hit pins its own CPU blocks first
+        # so that none of them is the one evicted: up to the cut, each staged block and
+        # each CPU block no transfer holds yet take one of the unpinned slots. CPU
+        # blocks past the cut take none (one may be evicted by the staging).
+        free = self.slots.unpinned()
+        taken = 0
         for i, tier in enumerate(tiers):
-            if tier != CPU and not self.policy.filling(bytes(hashes[i])):  # a fill shared needs no slot
-                needed += 1
-                if needed > room:
-                    return tiers[:i]
+            block = bytes(hashes[i])
+            if tier == CPU:
+                taken += self.slots.unpinned_among((block,))
+            elif not self.policy.filling(block):  # a fill shared needs no slot
+                taken += 1
+            if taken > free:
+                return tiers[:i]
         return tiers
 
     def update_state_after_alloc(

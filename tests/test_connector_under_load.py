@@ -118,6 +118,29 @@ def test_staging_a_hit_never_evicts_the_hits_own_cpu_blocks():
     assert b"x" * 32 not in sched.slots  # the least recently used block outside the hit
 
 
+def test_a_staged_hit_is_cut_only_where_its_slots_run_out():
+    """A hit of two disk blocks then four CPU blocks, in a tier of five slots (the
+    hit's four and one other, none pinned). Loading its first five blocks stages two
+    blocks into the other slot and the hit's own last CPU block (which this request
+    computes next) while pinning the three CPU blocks before it: five slots. The
+    lookup counted the slots of all four CPU blocks as taken, cut past the cut too,
+    and loaded one block."""
+    sched = make_scheduler(capacity_slots=5, disk=DISK)
+    req = request("r1", 6)
+    hashes = [bytes(h) for h in req.block_hashes]
+    for block in hashes[:2]:
+        sched.policy.on_disk[block] = None
+    for block in hashes[2:]:
+        ready_in_cpu_tier(sched, block)
+    ready_in_cpu_tier(sched, b"x" * 32)
+    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, True)
+    sched.update_state_after_alloc(req, blocks_of(list(range(1, 8))), 5 * BLOCK)
+    (job,) = sched.build_connector_meta(scheduler_output()).loads
+    assert [op.tier for op in job.ops] == ["disk", "disk", "cpu", "cpu", "cpu"]
+    assert len({op.slot for op in job.ops}) == 5 and all(op.slot >= 0 for op in job.ops)
+    assert all(block in sched.policy.ready for block in hashes[2:5])
+
+
 def test_a_hit_cut_for_want_of_cpu_slots_is_counted():
     """A disk hit staged through CPU slots while transfers hold every slot is cut to
     nothing (vLLM computes the prompt): counted as a no_room decision, where it used

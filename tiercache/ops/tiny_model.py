@@ -18,10 +18,12 @@ def write_tiny_llama(
     vocab_size: int = 2048,
     max_positions: int = 8192,
     intermediate_size: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Write config.json and random safetensors weights; reuse them if already there."""
+    """Write config.json and random safetensors weights; reuse them if already there.
+    `head_dim`: None for hidden_size / num_heads."""
     spec = {
         "num_layers": num_layers,
         "hidden_size": hidden_size,
@@ -33,6 +35,8 @@ def write_tiny_llama(
         "seed": seed,
         "dtype": dtype,
     }
+    if head_dim is not None:  # named only when set: the models written before keep their marker
+        spec["head_dim"] = head_dim
 
     def build():
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,6 +52,7 @@ def write_tiny_llama(
             initializer_range=0.2,
             torch_dtype=dtype,
             tie_word_embeddings=False,
+            **({"head_dim": head_dim} if head_dim is not None else {}),
         )
         return LlamaForCausalLM(config)
 
