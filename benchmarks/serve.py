@@ -114,8 +114,6 @@ COUNTERS = {
     },
     "tiercache_stored_blocks": ("vllm:tiercache_stored_blocks_total", {}),
     "tiercache_stores_dropped": ("vllm:tiercache_stores_dropped_total", {}),
-    "tiercache_write_holds": ("vllm:tiercache_write_holds_total", {}),
-    "tiercache_write_holds_refused": ("vllm:tiercache_write_holds_refused_total", {}),
     # The cost model's and the CPU tier's cuts: a hit loaded, skipped as slower than
     # recomputing it, or cut for want of CPU slots to stage it into.
     **{
@@ -276,8 +274,8 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
 
 
 def tiercache_env(settings: list[str]) -> dict[str, str]:
-    """--tiercache-set movers.yield_to_loads=false as the environment override every
-    tiercache process reads on top of its config (TIERCACHE_MOVERS__YIELD_TO_LOADS)."""
+    """--tiercache-set disk.load_in_forward=false as the environment override every
+    tiercache process reads on top of its config (TIERCACHE_DISK__LOAD_IN_FORWARD)."""
     from tiercache.config import ENV_PREFIX
 
     env = {}
@@ -676,7 +674,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a tiercache setting for every tiercache config, dotted: movers.yield_to_loads=true",
+        help="a tiercache setting for every tiercache config, dotted: disk.load_in_forward=false",
     )
     parser.add_argument("--reserved-cpus", type=int, default=1, help="where moto and redis-server run")
     parser.add_argument("--quiet-wait", type=float, default=1800, help="longest wait for foreign vLLM to end")

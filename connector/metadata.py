@@ -51,10 +51,6 @@ class TierCacheMetadata(KVConnectorMetadata):
     # before vLLM prepares its inputs: vLLM neither zeroes nor copies any paged-KV block
     # while it does so this step (it would overwrite a hit copied in early).
     loads_early: bool = False
-    # A request starts this step over blocks vLLM's own prefix cache holds: a short
-    # forward whose time to first token the write-down would slow as much as a
-    # tiercache hit's, so the worker holds the write-down for it too (foreground.py).
-    reuses_prefix: bool = False
     # Requests vLLM finished whose GPU blocks it keeps (request_finished returned True)
     # until each worker reports them in finished_sending: once no store copy out of
     # their blocks is in flight on that worker.

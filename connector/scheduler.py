@@ -128,12 +128,6 @@ def _touches_blocks_before_forward(scheduler_output: SchedulerOutput) -> bool:
     return bool(zeroed or copied)
 
 
-def _starts_over_cached_blocks(scheduler_output: SchedulerOutput) -> bool:
-    """Whether a request is scheduled for the first time over blocks already computed:
-    vLLM's prefix-cache hit (or tiercache's, which the step's loads cover anyway)."""
-    return any(new.num_computed_tokens > 0 for new in scheduler_output.scheduled_new_reqs)
-
-
 def slot_bytes_for(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one slot: every layer's page, each padded to 64 bytes (as the worker's
     copier lays them out). With several KV cache groups (vLLM's hybrid manager) a slot
@@ -712,7 +706,6 @@ class TierCacheScheduler:
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             loads_early=not _touches_blocks_before_forward(scheduler_output),
-            reuses_prefix=_starts_over_cached_blocks(scheduler_output),
         )
         self._building = meta  # what fail_step undoes, should this raise
         if self.cost is not None and self._computes_prompt(scheduler_output):

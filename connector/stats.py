@@ -49,15 +49,6 @@ _PLAIN_COUNTERS = {
         LOADS_TIMED_OUT,
         "Loads from disk or S3 not staged by movers.load_deadline_seconds, recomputed instead",
     ),
-    "vllm:tiercache_write_holds": (
-        "write_holds",
-        "Holds of the write-down to disk and S3 for steps serving hits, tiercache's or vLLM's prefix "
-        "cache's (movers.yield_to_loads; steps back to back share one)",
-    ),
-    "vllm:tiercache_write_holds_refused": (
-        "write_holds_refused",
-        "Steps serving hits that did not hold the write-down back: holds had taken their share",
-    ),
 }
 # The scheduler's decisions on each hit (cost_model.py), one per request and tier:
 # no_room is a hit that needed CPU slots to stage through while transfers held them all.

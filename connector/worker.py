@@ -17,11 +17,9 @@ import torch
 
 from tiercache.config import TierCacheConfig
 from tiercache.engine import ObjectShape, TierEngine, WriteResult
-from tiercache.foreground import OUTPUT_GRACE
 from tiercache.index.keys import KVSpec
 from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk, reads_disk_in_forward
-from tiercache.threads import helper_thread
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
@@ -54,7 +52,7 @@ log = logging.getLogger("tiercache.connector")
 # While a request waits for a disk or S3 load and nothing else runs, vLLM polls the
 # connector in a tight loop of empty steps. That loop holds the interpreter lock the
 # staging threads need after every read, so on a machine with few cores a disk hit's
-# load took several times longer (docs/design.md, "Threads and cores"). An idle
+# load took several times longer (docs/design.md, "Threads and the idle step"). An idle
 # step instead sleeps on the loads, this long at most: the delay a request arriving
 # meanwhile can see before it is scheduled.
 IDLE_STEP_WAIT_SECONDS = 0.01
@@ -178,8 +176,6 @@ class TierCacheWorker:
         self._idle_step = False
         self._stats = TierCacheStats()
         self._gauges = GaugeReport(f"rank{tp_rank}")
-        self._holds_reported = (0, 0)  # the gate's holds and refused holds already in stats
-        self._arrived: TierCacheMetadata | None = None  # the step step_arrives saw last
         # Layer-by-layer loads (see layerwise.py): on once a whole step has shown the
         # forward calling wait_for_layer_load for every registered layer, in this order.
         self._layer_order: list[str] | None = None
@@ -239,9 +235,7 @@ class TierCacheWorker:
             self._forward_timer = ForwardTimer(copier.on_cuda)
         if not copier.on_cuda and not copier.staged:
             # CUDA copies are already asynchronous on their own stream.
-            self._layer_helper = ThreadPoolExecutor(
-                1, thread_name_prefix="tiercache-layers", initializer=helper_thread
-            )
+            self._layer_helper = ThreadPoolExecutor(1, thread_name_prefix="tiercache-layers")
         num_slots = slots_for(self.config.cpu.capacity, copier.slot_bytes)
         self.buffer = CpuBuffer(num_slots, copier.slot_bytes)
         copier.warm_up(self.buffer)
@@ -344,24 +338,16 @@ class TierCacheWorker:
             self.engine.write_down(block_hash, None, self._after_write, data=data)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
-        """vLLM handed the worker this step, before preparing its inputs. A step that
-        serves a hit (`_holds_for`) holds the movers from here; any other step ends the
-        hold a step before it left lingering (that step's token has been handed on by
-        now).
+        """vLLM handed the worker this step, before preparing its inputs.
 
-        On the CPU backend the step's CPU-tier hits start copying here too, layer by
+        On the CPU backend the step's CPU-tier hits start copying here, layer by
         layer on the helper thread, while vLLM prepares the inputs on the model's core
         (about 2 ms, of which the helper gets about 1): less of the copy then shares the
-        memory bus with the forward (docs/benchmarks-e2e.md, "Runs 27 to 29")."""
-        self._arrived = meta
+        memory bus with the forward."""
         self._note_step(meta)
         self._fence_before_forward(meta)
         if self.engine is None:
             return
-        if self._holds_for(meta):
-            self.engine.foreground.hold()
-        else:
-            self.engine.foreground.release()
         if meta.loads_early and self._layer_helper is not None and self._layerwise_ready():
             self._begin_step(meta)
             self._start_sync_loads(meta)
@@ -381,23 +367,6 @@ class TierCacheWorker:
             self._forward_timer.begin(meta.timed_tokens)
         self._note_step(meta)
         self._fence_before_forward(meta)
-        # vLLM hands every step over first, and step_arrives decided on the hold then;
-        # a caller that only binds (the replay of recorded calls) decides here.
-        if meta is not self._arrived and self.engine is not None and self._holds_for(meta):
-            self.engine.foreground.hold()
-
-    def _holds_for(self, meta: TierCacheMetadata) -> bool:
-        """Whether this step serves a hit on the CPU backend: its forward copies hits
-        into the paged KV (this step's CPU hits, or staged hits reported at the end of
-        the last step), or starts a request over vLLM's own prefix cache. Then the
-        movers' writes wait, off the memory bus the forward is bound by and off the
-        spare core its token goes through (foreground.py). A prefix-cache hit asked
-        while its prompt was still being written down took 1.21-1.26x the later ones
-        without the hold (docs/benchmarks-e2e.md, "Runs 31 to 34")."""
-        loads_hits = bool(self._layerwise) or any(not job.is_async for job in meta.loads)
-        on_cpu_backend = self.copier is not None and not self.copier.on_cuda
-        serves_hit = loads_hits or meta.reuses_prefix
-        return serves_hit and on_cpu_backend and self.config.movers.yield_to_loads
 
     def start_load_kv(self, meta: TierCacheMetadata) -> None:
         self._idle_step = meta.idle
@@ -533,9 +502,6 @@ class TierCacheWorker:
             step.load.wait(region)
 
     def _end_of_forward(self) -> None:
-        if self.engine is not None:
-            # Until the next step begins, or the token is surely handed on.
-            self.engine.foreground.release_after(OUTPUT_GRACE)
         steps, self._layerwise = self._layerwise, []
         for step in steps:
             self._end_load(step)
@@ -812,9 +778,6 @@ class TierCacheWorker:
                 self._fills[op.slot] = _Fill(op.block_hash, _VOID)  # a load sharing it fails too
                 self._emit(FILL_FAILED, (op.block_hash, op.slot))
                 self._emit(RELEASED, op.slot)
-        engine = self.engine
-        if engine is not None:  # the step is over: no hold outlives it
-            self._quietly(lambda: engine.foreground.release_after(OUTPUT_GRACE))
 
     @staticmethod
     def _quietly(call) -> None:
@@ -1048,9 +1011,6 @@ class TierCacheWorker:
         """Loads done since the last call. `finished_req_ids`: requests vLLM finished,
         whose partial S3 runs go now rather than when their flush timer says."""
         if self.engine is not None:
-            # Every step ends here, with a forward or not: no hold outlives it by more
-            # than the grace its token needs.
-            self.engine.foreground.release_after(OUTPUT_GRACE)
             for req_id in finished_req_ids:
                 self._end_group(req_id)
         if self._idle_step:
@@ -1087,10 +1047,6 @@ class TierCacheWorker:
     def take_stats(self) -> TierCacheStats | None:
         if self.engine is not None:
             self._gauges.add_to(self._stats, {"stores_in_flight": self.engine.writes_in_flight})
-            gate = self.engine.foreground
-            self._stats.add("write_holds", gate.holds - self._holds_reported[0])
-            self._stats.add("write_holds_refused", gate.skipped - self._holds_reported[1])
-            self._holds_reported = (gate.holds, gate.skipped)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, TierCacheStats()

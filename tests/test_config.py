@@ -136,23 +136,24 @@ def test_the_removed_promote_on_hit_is_refused_and_says_why():
 
 
 @pytest.mark.parametrize("where", ["file", "environment"])
-def test_the_removed_upload_process_is_refused_and_says_why(tmp_path, where):
-    """S3 uploads ran from a process of their own on hosts without CUDA until serving
-    runs showed it made no difference (docs/benchmarks.md). A configuration that still
-    sets movers.upload_process, in its file or its environment, is told it was removed,
-    by name, rather than that the key is unknown."""
+@pytest.mark.parametrize("key", ["upload_process", "yield_to_loads"])
+def test_the_removed_cpu_backend_mechanisms_are_refused_and_say_why(tmp_path, where, key):
+    """S3 uploads from a process of their own and the write-down gate served vLLM's
+    CPU backend until serving runs showed neither made a difference
+    (docs/benchmarks.md). A configuration that still sets either, in its file or its
+    environment, is told it was removed, by name, rather than that the key is unknown."""
     path = tmp_path / "tiercache.yaml"
     if where == "file":
-        path.write_text("movers:\n  upload_process: true\n")
+        path.write_text(f"movers:\n  {key}: true\n")
         environ = {}
     else:
         path.write_text("movers:\n  workers: 2\n")
-        environ = {"TIERCACHE_MOVERS__UPLOAD_PROCESS": "false"}
+        environ = {f"TIERCACHE_MOVERS__{key.upper()}": "false"}
     with pytest.raises(ConfigError) as info:
         load_config(path, environ=environ)
     (problem,) = info.value.problems
-    assert problem.startswith("movers.upload_process: removed") and "delete it" in problem
-    assert "upload_process" not in MoverConfig.model_fields
+    assert problem.startswith(f"movers.{key}: removed") and "delete it" in problem
+    assert key not in MoverConfig.model_fields
 
 
 def test_s3_without_redis_is_refused():

@@ -210,23 +210,6 @@ def test_a_cpu_hit_may_start_copying_early_only_where_vllm_writes_no_block_first
     assert load_meta.loads_early is (field is None)
 
 
-def test_a_step_starting_a_request_over_vllms_prefix_cache_is_marked_as_serving_a_hit():
-    """vLLM's own prefix-cache hit reaches the connector only as a new request whose
-    first tokens are computed already: the worker holds the write-down for that step
-    as for a tiercache hit (foreground.py)."""
-    sched = make_scheduler()
-    cold = store_prompt(sched, request("r1", 2), [5, 6, 7])
-    assert not cold.reuses_prefix
-    hit = request("r2", 2)
-    assert sched.get_num_new_matched_tokens(hit, 2 * BLOCK) == (0, False)  # vLLM has them all
-    sched.update_state_after_alloc(hit, blocks_of([5, 6, 8]), 0)
-    step = scheduler_output([new_request(hit, [5, 6, 8], num_computed_tokens=2 * BLOCK)], scheduled={"r2": 1})
-    meta = sched.build_connector_meta(step)
-    assert meta.reuses_prefix and not meta.loads
-    # The decode steps after it start nothing over cached blocks.
-    assert not sched.build_connector_meta(scheduler_output()).reuses_prefix
-
-
 def test_disk_hit_is_async_and_failed_fill_is_forgotten():
     sched = make_scheduler(disk={"path": "/tmp/tiercache-unit-disk-never-created"})
     meta = store_prompt(sched, request("r1", 2), [5, 6, 7])

@@ -1,7 +1,8 @@
 """vLLM's OpenAI server with the connector under load, as users run it: several
 clients at once over the text API, shared 1k-token prefixes, a KV cache that holds
 about four prompts (so vLLM preempts), chunked prefill, clients that hang up, an
-abort storm and a prompt over the model's length, with real redis-server and S3.
+abort storm and a prompt over the model's length, with real redis-server and S3
+(SeaweedFS).
 
 Three servers, one after another: vLLM without the connector (the reference
 outputs), then with it on cold tiers, then restarted on the same disk (half of its
@@ -76,10 +77,7 @@ ENV = {
     # Every engine compared reserves the same cores (a connector reserves one more).
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     "PYTHONHASHSEED": "0",  # the same block hashes in every run
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+}  # S3 credentials: the store's own, which real_s3_endpoint puts in this environment
 GAUGES = ("vllm:tiercache_pinned_slots", "vllm:tiercache_loads_in_flight", "vllm:tiercache_stores_in_flight")
 
 
@@ -369,7 +367,9 @@ def reference(model, workdir) -> Run:
 
 
 @pytest.fixture(scope="module")
-def tiers(workdir, redis_url, s3_endpoint) -> dict:
+def tiers(workdir, redis_url, real_s3_endpoint) -> dict:
+    # SeaweedFS (MinIO where Docker runs): a real S3-compatible store end to end.
+    s3_endpoint = real_s3_endpoint
     create_bucket(s3_endpoint, "tc-load")
     # Hits from every tier are what this test checks, not the cost model's choices.
     return loading_every_hit(

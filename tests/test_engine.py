@@ -262,7 +262,7 @@ def test_full_disk_drops_stores_while_cpu_hits_continue(stack, monkeypatch):
     cache = stack(slots=4)
     put_flushed(cache, 0)
 
-    def no_space(fd, *parts, pace=None):
+    def no_space(fd, *parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_module, "_write_all", no_space)

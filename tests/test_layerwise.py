@@ -1,13 +1,8 @@
-"""CPU-tier hits loaded layer by layer during the forward (connector/layerwise.py), and
-where tiercache's background threads run (tiercache/threads.py)."""
+"""CPU-tier hits loaded layer by layer during the forward (connector/layerwise.py)."""
 
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -211,35 +206,6 @@ def test_a_lost_block_in_a_layerwise_hit_is_reported_and_the_rest_loaded():
         assert all(torch.equal(kv[n][5], kv[n][0]) for n in LAYERS)
     finally:
         worker.shutdown()
-
-
-PLACEMENT = textwrap.dedent(
-    """
-    import os, threading, json
-    from concurrent.futures import ThreadPoolExecutor
-    from tiercache.threads import background_thread, helper_thread
-    os.sched_setaffinity(0, {0})  # what vLLM's CPU backend does to a worker
-    def where():
-        return sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    out = {"main": where()}
-    for name, init in (("background", background_thread), ("helper", helper_thread)):
-        with ThreadPoolExecutor(1, initializer=init) as pool:
-            out[name] = pool.submit(where).result()
-    print(json.dumps(out))
-    """
-)
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to have a spare one")
-def test_background_threads_leave_the_compute_core_and_yield():
-    import json
-
-    run = subprocess.run([sys.executable, "-c", PLACEMENT], capture_output=True, text=True, check=True)
-    out = json.loads(run.stdout)
-    spare = sorted(set(range(os.cpu_count())) - {0})
-    assert out["main"][0] == [0]
-    assert out["background"] == [spare, min(19, out["main"][1] + 10)]
-    assert out["helper"] == [spare, out["main"][1]]
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["before the forward", "layer by layer"])

@@ -396,11 +396,10 @@ def test_a_burst_on_one_prefix_on_disk_loads_each_block_once(tmp_path, lag):
 
 def test_a_disk_hit_evicted_after_the_plan_is_still_loaded(tmp_path):
     """The scheduler plans a disk load from the workers' last reports. A write-down
-    running beside the step (the write-down gate off) evicts the disk tier's least
-    recently used object, the very block the plan reads, before the read: the load
-    failed and its request was recomputed with nothing wrong (issue 39, item 9). The
-    evicted object's file now lingers long enough for the loads planned before the
-    eviction was reported."""
+    running beside the step evicts the disk tier's least recently used object, the
+    very block the plan reads, before the read: the load failed and its request was
+    recomputed with nothing wrong (issue 39, item 9). The evicted object's file now
+    lingers long enough for the loads planned before the eviction was reported."""
     prefix = [bytes([9, b]) * 16 for b in range(4)]
     others = [[bytes([10 + r, b]) * 16 for b in range(4)] for r in range(15)]
     first = MiniEngine(tmp_path, tp=1, lag=0, cpu_slots=64)  # room for every store

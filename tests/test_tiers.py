@@ -236,7 +236,7 @@ def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
 
     import tiercache.tiers.disk.tier as disk_module
 
-    def no_space(fd, *parts, pace=None):
+    def no_space(fd, *parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     buffer = CpuBuffer(1, BLOCK, pin_memory=False)
@@ -335,9 +335,9 @@ def test_disk_capacity_evicts_least_recently_used(tmp_path):
 
 def test_an_object_evicted_a_moment_ago_still_serves_the_read_planned_from_it(tmp_path):
     """The scheduler plans a disk load from what the workers last reported. Under
-    serving load with the write-down gate off, a write beside the step evicted the
-    oldest object (the one the next turn of the oldest conversation asks for) between
-    the plan and the read, and the load failed with nothing wrong (issue 39, item 9).
+    serving load, a write beside the step evicted the oldest object (the one the next
+    turn of the oldest conversation asks for) between the plan and the read, and the
+    load failed with nothing wrong.
     An evicted object is reported removed at once, but its file lingers, readable,
     until the lingering files outgrow a 32nd of the capacity."""
     probe = DiskTier(tmp_path / "probe", 1 << 30)
@@ -506,7 +506,7 @@ _SLOW_WRITER = textwrap.dedent(
     tier = disk.DiskTier(root, 1 << 30)
     assert put(tier, 1, 65536)  # one whole object before the slow one
 
-    def slow_write_all(fd, *parts, pace=None):
+    def slow_write_all(fd, *parts):
         for part in parts:
             view = memoryview(part).cast("B")
             while view:

@@ -266,15 +266,6 @@ class MoverConfig(_Strict):
         description="a hit staged from disk or S3 that is not in its CPU slots by then is given up "
         "and recomputed (its slots are freed once the late read ends, and never served)",
     )
-    # CPU backend only: movers start no new block while a step that serves a hit runs,
-    # tiercache's or vLLM's own prefix cache's (tiercache/foreground.py). On: with it
-    # off, serving runs of repeated prefixes served fewer requests per second
-    # (docs/benchmarks.md, "CPU-backend mechanisms under serving load").
-    yield_to_loads: bool = Field(
-        default=True,
-        description="vLLM's CPU backend: while a step that serves a cache hit runs, the movers start no "
-        "new write and pause the ones under way (bounded, so writes always progress)",
-    )
     upload_slot_share: float = Field(
         default=0.5,
         gt=0,
@@ -437,6 +428,8 @@ def redact_url(url: str) -> str:
 _REMOVED = {
     "movers.promote_on_hit": "removed: it never had an effect (a hit from disk or S3 is always "
     "promoted into the CPU tier); delete it",
+    "movers.yield_to_loads": "removed: holding writes back while a step served a hit made no "
+    "measurable difference to serving (docs/benchmarks.md); delete it",
     "movers.upload_process": "removed: S3 uploads run on the worker's own upload threads, since "
     "an upload process of their own made no measurable difference to serving "
     "(docs/benchmarks.md); delete it",

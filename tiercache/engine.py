@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config import TierCacheConfig
-from tiercache.foreground import ForegroundGate
 from tiercache.index.leases import Leases
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
-from tiercache.threads import any_cpu_thread, background_thread
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk.tier import DiskPages, DiskTier
@@ -109,13 +107,6 @@ class TierEngine:
         if s3 is None and config.s3 is not None:
             self.s3 = S3Tier(config.s3, integrity_key=self._integrity_key)
         self.s3_writer: S3Writer | None = None
-        # Held by the connector's worker while a forward that loads hits runs on the
-        # CPU backend (see foreground.py); never held elsewhere.
-        self.foreground = ForegroundGate()
-        if self.disk is not None:
-            self.disk.pace = self.foreground.wait
-        if self.s3 is not None and s3 is None:
-            self.s3.pace = self.foreground.wait
         if self.s3 is not None and self.leases is not None:
             self.s3_writer = S3Writer(
                 self.s3,
@@ -142,15 +133,10 @@ class TierEngine:
                 packing.run_blocks(shape.slot_bytes), packing.pack_flush_seconds, self._ship_run
             )
         movers = config.movers
-        # Write-down is background work: off the model's cores, at a lower priority.
-        self._movers = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
-        )
+        self._movers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-mover")
         # S3 uploads run on threads of their own, so that a slow S3 never holds up the
         # disk writes queued behind it, nor the slots those writes free.
-        self._uploaders = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-upload", initializer=background_thread
-        )
+        self._uploaders = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-upload")
         # An upload reads its block from the CPU slot, so the slot stays pinned until
         # S3 answers. At most this many slots are held that way: past it a block goes
         # to disk only, and a slow S3 cannot pin the whole tier and make the scheduler
@@ -161,12 +147,8 @@ class TierEngine:
         # A hit's S3 blocks stage on threads of their own: a few slow S3 reads holding
         # every stager would hold every disk hit queued behind them.
         self._s3_stagers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-stage-s3")
-        # A request waits on its disk reads, so they run in parallel on any core, at
-        # normal priority: one thread on the model's core was the slower choice
-        # (docs/design.md, "Threads and cores", has the figures).
-        self._disk_readers = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-disk-read", initializer=any_cpu_thread
-        )
+        # A request waits on its disk reads: they run in parallel, off the stagers.
+        self._disk_readers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-disk-read")
         self._queue_limit = movers.queue_depth
         self._queued = 0
         self._queue_lock = threading.Lock()
@@ -251,7 +233,6 @@ class TierEngine:
 
     def _write_task(self, result, data, tiers, on_done, group=None, number=0, on_slot_free=None) -> None:
         upload = None
-        self.foreground.wait()
         try:
             view = memoryview(data) if data is not None else self.buffer.view(result.slot)
             header = self.shape.header(result.block_hash, view, self._integrity_key)
@@ -265,9 +246,7 @@ class TierEngine:
         if upload is not None and self._packer is not None:
             if on_slot_free is not None and result.slot is not None and self._packer.max_blocks > 1:
                 # The run may wait a whole prefill for the rest of its blocks: it waits
-                # with a copy, and the slot is the CPU tier's again now. The copy is a
-                # pass over the memory bus too: not while a forward loads hits.
-                self.foreground.wait()
+                # with a copy, and the slot is the CPU tier's again now.
                 data = bytes(upload[0])
                 upload = (memoryview(data), upload[1])
                 self._free_slot(result, on_slot_free)
@@ -296,7 +275,6 @@ class TierEngine:
                 self._write_ended(item.result, (S3,), item.on_done)
 
     def _upload_run_task(self, run: list[_Upload]) -> None:
-        self.foreground.wait()
         try:
             if self.s3_writer is not None:
                 stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
@@ -413,7 +391,6 @@ class TierEngine:
         """Flush queued writes within the configured bound, then stop."""
         if self._closed:
             return
-        self.foreground.release()  # a hold would only slow the flush down
         flushed = self.flush()
         with self._queue_lock:
             self._closed = True

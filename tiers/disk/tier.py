@@ -39,9 +39,6 @@ from tiercache.tiers.format import (
     verify,
 )
 
-# With a pace set, a write looks at it this often (bytes): a 2 MiB block's write stops
-# at most a quarter of the way past the start of a hold (tiercache/foreground.py).
-PIECE_BYTES = 512 * 1024
 # How much the files of objects evicted a moment ago may add to the capacity, as a
 # share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
 # the workers last reported, and an object evicted since (by a write running beside
@@ -217,9 +214,6 @@ class DiskTier:
         self._leaving_bytes = 0
         self.linger_bytes = capacity // LINGER_SHARE
         self._name = secrets.token_hex(8)  # this tier in the index's removal log
-        # Called between the pieces of a write (PIECE_BYTES each): where the engine's
-        # foreground gate stops a write under way while a forward loads hits.
-        self.pace: Callable[[], None] | None = None
         prepare_root(self.root)
         self.layout = DiskLayout(self.root)
         self.index = RootIndex(self.root)
@@ -401,9 +395,9 @@ class DiskTier:
                 # would fail while a failed write's traceback still holds a view.
                 aligned = mmap.mmap(-1, len(preamble))
                 aligned.write(preamble)
-                _write_all(fd, aligned, data, pace=self.pace)
+                _write_all(fd, aligned, data)
             else:
-                _write_all(fd, preamble, data, pace=self.pace)
+                _write_all(fd, preamble, data)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -605,7 +599,7 @@ class DiskTier:
         For the layout this tier writes (a DATA_ALIGN preamble, then the pages) one
         read takes the preamble and the pages together, then one pass hashes them.
         Reading in small chunks, each hashed while still in cache, measured slower
-        (docs/benchmarks-e2e.md, "A disk hit and an S3 hit, step by step"). Any other
+        (docs/benchmarks-e2e.md, "What the investigations found"). Any other
         layout reads the pages after the header. With an integrity key that one pass
         is the MAC's."""
         head = bytearray(DATA_ALIGN)
@@ -820,18 +814,11 @@ def _aligned(data: memoryview) -> bool:
     return address % DATA_ALIGN == 0
 
 
-def _write_all(
-    fd: int, *parts: bytes | memoryview | mmap.mmap, pace: Callable[[], None] | None = None
-) -> None:
-    """Write `parts` in order with as few system calls as the kernel allows; with
-    `pace`, in pieces of at most PIECE_BYTES, calling it before each piece."""
+def _write_all(fd: int, *parts: bytes | memoryview | mmap.mmap) -> None:
+    """Write `parts` in order with as few system calls as the kernel allows."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
     while views:
-        if pace is not None:
-            pace()
-            written = os.writev(fd, _first_bytes(views, PIECE_BYTES))
-        else:
-            written = os.writev(fd, views)
+        written = os.writev(fd, views)
         if written <= 0:
             raise OSError(errno.EIO, "write made no progress")
         while views and written >= len(views[0]):
@@ -839,15 +826,3 @@ def _write_all(
             views.pop(0)
         if written:
             views[0] = views[0][written:]
-
-
-def _first_bytes(views: list[memoryview], limit: int) -> list[memoryview]:
-    """The leading `limit` bytes of `views`, as views (a multiple of the page size keeps
-    O_DIRECT writes aligned)."""
-    out, left = [], limit
-    for view in views:
-        if left <= 0:
-            break
-        out.append(view[:left])
-        left -= len(out[-1])
-    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -100,9 +100,6 @@ class S3Tier:
         self.client = client or make_client(config)
         count_requests(self.client)
         self.pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="tiercache-s3")
-        # Called before each read of an upload's body: where the engine's foreground
-        # gate stops an upload under way while a forward loads hits (foreground.py).
-        self.pace: Callable[[], None] | None = None
 
     def object_name(self, key: str) -> str:
         digest, block = split_key(key)
@@ -125,7 +122,7 @@ class S3Tier:
     def put_run(self, rank_digest: str, run_hex: str, parts: Sequence[memoryview]) -> bool:
         """One PUT of a whole run (atomic). False on failure. The parts (views of CPU
         slots) must not change until it returns."""
-        body = ObjectBody(*parts, pace=self.pace)
+        body = ObjectBody(*parts)
         try:
             with timed(TIER, "put", len(body)):
                 self.client.put_object(Bucket=self.bucket, Key=self.run_name(rank_digest, run_hex), Body=body)
@@ -256,10 +253,8 @@ class ObjectBody:
     sends it straight from the CPU tier's slot: assembling one buffer first was
     another pass over every byte, and on a small host the model's decode is bound by the same memory bus."""
 
-    def __init__(self, *parts: bytes | memoryview, pace: Callable[[], None] | None = None):
-        """`pace`: called before each read (it may wait)."""
+    def __init__(self, *parts: bytes | memoryview):
         self._parts = [memoryview(part).cast("B") for part in parts]
-        self._pace = pace
         self._starts = []
         start = 0
         for part in self._parts:
@@ -287,8 +282,6 @@ class ObjectBody:
             while chunk := self.read(self._size):
                 chunks.append(bytes(chunk))
             return b"".join(chunks)
-        if self._pace is not None:
-            self._pace()
         for part, begins in zip(self._parts, self._starts, strict=True):
             if self._position < begins + len(part):
                 chunk = part[self._position - begins : self._position - begins + size]
