@@ -1,4 +1,4 @@
-"""Load only what beats recomputing it (issue 18).
+"""Load only what beats recomputing it.
 
 On a fast accelerator a lower tier can be slower to read than the prefill it saves:
 users of other caches measured a file-tier hit at 2450 ms against 1725 ms of

@@ -144,7 +144,7 @@ class S3TierConfig(_Strict):
     connect_timeout: float = Field(default=2.0, gt=0, le=60, description="seconds to open a connection to S3")
     read_timeout: float = Field(default=10.0, gt=0, le=300, description="seconds to wait for S3 to answer")
     max_attempts: int = Field(default=3, ge=1, le=10, description="tries per S3 request, the first included")
-    # Runs (issue 18): consecutive blocks of one request go into one object, up to
+    # Runs: consecutive blocks of one request go into one object, up to
     # this many blocks or bytes of pages, whichever comes first; 1 writes one object
     # per block. A request's run ships when its prompt's last block is stored or the
     # request finishes; pack_flush_seconds bounds the wait otherwise (decode blocks,

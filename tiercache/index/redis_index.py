@@ -178,7 +178,7 @@ def run_records_key(model_digest: str, rank_digest: str) -> str:
 
 
 def legacy_index_key(model_digest: str, rank_digest: str) -> str:
-    """The per-block ZSET tiercache kept before runs (issue 18): never read now; GC
+    """The per-block ZSET tiercache kept before runs: never read now; GC
     deletes what is left of it."""
     return f"tc:{{{model_digest}}}:idx:{rank_digest}"
 

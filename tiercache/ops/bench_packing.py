@@ -1,4 +1,4 @@
-"""`tiercache bench`'s S3 request figures (issue 18): the same prompts stored and
+"""`tiercache bench`'s S3 request figures: the same prompts stored and
 loaded twice in one run, one object per block (`s3.pack_blocks: 1`, what tiercache
 wrote before runs) and packed into runs, counting every request the S3 client sends
 (`tiercache_s3_requests_total`) and timing the S3 hits.

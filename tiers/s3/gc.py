@@ -21,7 +21,7 @@ or leased.
 Orphans. A run object is an orphan when the index holds no record of it: an upload
 whose index write failed, a GC pass that died between its two steps, a flushed
 namespace. Objects younger than a grace period are kept, since an upload's PUT lands
-before its index entry is written. Per-block objects written before runs (issue 18)
+before its index entry is written. Per-block objects written before runs
 are never read by this tiercache: they are swept once past the grace period, not
 counted by the guard below, and what is left of the per-block index in Redis
 (`tc:{*}:idx:*`) is deleted by the same pass.

@@ -1,4 +1,4 @@
-"""What tiercache kept in S3 and Redis before runs (issue 18): one object per block,
+"""What tiercache kept in S3 and Redis before runs: one object per block,
 `<prefix><rank digest>/<block hash>.safetensors`, and one index ZSET per rank,
 `tc:{<model digest>}:idx:<rank digest>`. Nothing reads either any more (after an
 upgrade the S3 tier starts cold); each GC pass reclaims them here."""

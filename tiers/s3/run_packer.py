@@ -1,5 +1,5 @@
 """Gathers the blocks bound for S3 into runs: consecutive blocks of one request go into
-one object (one PUT) instead of one object each (issue 18).
+one object (one PUT) instead of one object each.
 
 Each block is numbered in its group (a request) when it is queued (`expect`). The
 movers write each block to disk first, in parallel, so blocks arrive (`add`) late

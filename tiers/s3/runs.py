@@ -1,4 +1,4 @@
-"""Run objects: many consecutive blocks of one rank in one S3 object (issue 18).
+"""Run objects: many consecutive blocks of one rank in one S3 object.
 
 One object per block meant one PUT per 16 or 32 tokens per rank; a run packs up to
 `s3.pack_blocks` blocks (or `s3.pack_bytes`) into one PUT. Loads stay block-granular:

@@ -225,7 +225,7 @@ class S3Tier:
 
     def list_objects(self, digest: str | None = None):
         """Yield (key, size, last_modified) for every per-block object under the prefix:
-        what tiercache wrote before runs (issue 18). Nothing writes or reads them any
+        what tiercache wrote before runs. Nothing writes or reads them any
         more: GC reclaims them (legacy.py)."""
         prefix = self.config.prefix + (f"{digest}/" if digest else "")
         paginator = self.client.get_paginator("list_objects_v2")
