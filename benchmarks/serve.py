@@ -4,7 +4,7 @@ server's KV cache:
 
     .venv/bin/python benchmarks/serve.py                  # all four configs, both traces
     .venv/bin/python benchmarks/serve.py --smoke          # a small trace, to try the set-up
-    .venv/bin/python benchmarks/serve.py --plot           # docs/img/serve.png from the saved JSON
+    .venv/bin/python benchmarks/serve.py --table          # the saved run's table again
     .venv/bin/python benchmarks/serve.py --tiercache-set movers.workers=2   # override a setting
 
 Configs, one server each, one after another: `prefix_cache` (vLLM's prefix cache
@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness import (  # noqa: E402
-    IMG,
     RESULTS,
     CpuMonitor,
     foreign_vllm,
@@ -592,57 +591,6 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in CONFIGS if "traces" in data["configs"].get(n, {})]
-    traces = [t for t in TRACES if any(t in data["configs"][n]["traces"] for n in names)]
-    colours = ["#888888", "#1f77b4", "#2ca02c", "#d62728"]
-    fig, axes = plt.subplots(len(traces), 3, figsize=(13, 3.6 * len(traces)), squeeze=False)
-    for row, trace in enumerate(traces):
-        present = [n for n in names if trace in data["configs"][n]["traces"]]
-        summaries = [data["configs"][n]["traces"][trace]["summary"] for n in present]
-        xs = range(len(present))
-        short = [LABELS[n].split(" ", 1)[0] for n in present]
-        cols = [colours[CONFIGS.index(n)] for n in present]
-        ax = axes[row][0]
-        ax.bar(xs, [s["ttft_mean_s"] * 1000 for s in summaries], color=cols, label="mean")
-        ax.scatter(
-            xs, [s["ttft_p90_s"] * 1000 for s in summaries], color="black", marker="_", s=400, label="p90"
-        )
-        ax.set_title(f"{trace}: TTFT (ms)")
-        ax.legend(fontsize=8)
-        ax = axes[row][1]
-        ax.bar(xs, [s["request_throughput"] for s in summaries], color=cols)
-        ax.set_title(f"{trace}: requests/s")
-        ax = axes[row][2]
-        bottom = [0.0] * len(present)
-        for source, colour in (
-            ("vllm_prefix_cache", "#888888"),
-            ("cpu", "#1f77b4"),
-            ("disk", "#ff7f0e"),
-            ("external", "#9467bd"),
-        ):
-            share = [s["hit_tokens_by_source"][source] / s["counters"]["prompt_tokens"] for s in summaries]
-            ax.bar(xs, share, bottom=bottom, color=colour, label=source if row == 0 else None)
-            bottom = [b + v for b, v in zip(bottom, share, strict=True)]
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{trace}: cached prompt tokens")
-        if row == 0:
-            ax.legend(fontsize=8, loc="upper left")
-        for ax in axes[row]:
-            ax.set_xticks(list(xs), short)
-    labels = "; ".join(LABELS[n] for n in names)
-    fig.suptitle(f"vLLM OpenAI server under load, {data['args']['clients']} clients. {labels}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -682,14 +630,12 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/tiercache-bench-serve")
     parser.add_argument("--name", default="serve", help="results file under benchmarks/results/")
     parser.add_argument("--smoke", action="store_true", help="a small trace: try the set-up, not a result")
-    parser.add_argument("--plot", action="store_true", help="plot and tabulate a saved run, and exit")
+    parser.add_argument("--table", action="store_true", help="print a saved run's table (--name), and exit")
     args = parser.parse_args()
     args.configs = args.configs.split(",")
     args.traces = args.traces.split(",")
-    if args.plot:
-        data = json.loads((RESULTS / f"{args.name}.json").read_text())
-        print(table(data))
-        plot(data, IMG / f"{args.name}.png")
+    if args.table:
+        print(table(json.loads((RESULTS / f"{args.name}.json").read_text())))
         return
     if args.smoke:
         args.prefixes, args.requests, args.users, args.turns = 4, 8, 4, 2
