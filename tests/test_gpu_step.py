@@ -27,6 +27,7 @@ from tiercache.index.keys import KVSpec
 
 from support.fake_cuda import FakeCopyStream
 from support.scheduler_steps import blocks_of, new_request, scheduler_output
+from support.worker_steps import vllm_step
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -50,14 +51,7 @@ def make_worker(kv, stream: FakeCopyStream, monkeypatch, fused: bool = False) ->
 
 def step(worker: TierCacheWorker, meta: TierCacheMetadata, finished=frozenset(), layers=LAYERS):
     """One step as vLLM's GPU model runner calls it; returns (reports, finished_sending)."""
-    worker.step_arrives(meta)
-    worker.forward_begins(meta)
-    worker.start_load_kv(meta)
-    for name in layers:
-        worker.wait_for_layer(name)
-        worker.save_layer(name, meta)
-    worker.wait_for_save(meta)
-    worker.get_finished(set(finished))
+    vllm_step(worker, meta, layers, finished)
     sending = worker.take_finished_sending()
     worker_meta = worker.take_worker_meta()
     return (worker_meta.counts() if worker_meta is not None else {}), sending

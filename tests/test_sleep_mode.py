@@ -21,6 +21,8 @@ from tiercache.connector.metadata import FILL_FAILED, FILLED, RELEASED, BlockOp,
 from tiercache.connector.worker import TierCacheWorker
 from tiercache.index.keys import KVSpec
 
+from support.worker_steps import vllm_step
+
 NUM_BLOCKS = 12
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -62,14 +64,7 @@ def make_worker(kv: dict[str, torch.Tensor], disk_path=None) -> TierCacheWorker:
 
 def step(worker: TierCacheWorker, meta: TierCacheMetadata) -> None:
     """One step as vLLM runs it, every attention layer's hooks included."""
-    worker.step_arrives(meta)
-    worker.forward_begins(meta)
-    worker.start_load_kv(meta)
-    for name in LAYERS:
-        worker.wait_for_layer(name)
-        worker.save_layer(name, meta)
-    worker.wait_for_save(meta)
-    worker.get_finished(set())
+    vllm_step(worker, meta, LAYERS)
 
 
 def store(gpu_block: int, slot: int) -> TierCacheMetadata:
