@@ -276,10 +276,8 @@ class TierEngine:
 
     def _upload_run_task(self, run: list[_Upload]) -> None:
         try:
-            if self.s3_writer is not None:
-                stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
-            else:
-                stored = [False] * len(run)
+            assert self.s3_writer is not None  # runs are packed only where there is one (__init__)
+            stored = self.s3_writer.upload_run([(u.result.block_hash, u.view, u.header) for u in run])
             for item, ok in zip(run, stored, strict=True):
                 item.result.stored[S3] = ok
         except Exception:  # an uploader must survive anything a tier throws
