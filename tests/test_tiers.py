@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from tiercache.config import S3TierConfig
 from tiercache.index.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
-from tiercache.tiers.disk.index import INDEX_DIR
+from tiercache.tiers.disk.index import INDEX_DIR, INDEX_FILE, RootIndex
 from tiercache.tiers.disk.tier import SUFFIX, TMP_PREFIX, DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
 from tiercache.tiers.s3.runs import RunGeometry
@@ -431,6 +432,26 @@ _FILLER = textwrap.dedent(
     assert all(tier.path_of(key).exists() for key in tier.keys())
     """
 )
+
+
+def test_an_engine_opens_the_disk_index_while_another_creates_its_schema(tmp_path):
+    """Two engines starting at once on one root: one holds the index's write lock
+    while it creates the schema, as the other switches the index to WAL. SQLite
+    refuses that switch at once, without waiting out its busy timeout, and the second
+    engine's disk tier failed to start (test_two_processes_on_one_root_keep_one_budget
+    failed that way about one run in three)."""
+    (tmp_path / INDEX_DIR).mkdir()
+    first = sqlite3.connect(tmp_path / INDEX_DIR / INDEX_FILE, isolation_level=None, check_same_thread=False)
+    first.execute("BEGIN IMMEDIATE")
+    ends = threading.Timer(0.2, lambda: first.execute("COMMIT"))
+    ends.start()
+    try:
+        index = RootIndex(tmp_path)
+        with index.write():  # and it writes, once the first engine's transaction is over
+            pass
+    finally:
+        ends.join()
+        first.close()
 
 
 def test_two_processes_on_one_root_keep_one_budget(tmp_path):

@@ -25,6 +25,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,7 +86,7 @@ class RootIndex:
         # Reentrant: the reads below are also made inside write().
         self._lock = threading.RLock()
         self._db = sqlite3.connect(path, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode = WAL")
+        self._enter_wal()
         # In WAL mode a commit after a power loss may be lost, never half-applied: the
         # start-up scan puts back what the files say.
         self._db.execute("PRAGMA synchronous = NORMAL")
@@ -94,6 +95,20 @@ class RootIndex:
                 for statement in _SCHEMA:
                     self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+
+    def _enter_wal(self) -> None:
+        """Switch the index to WAL. SQLite refuses the switch at once, without its
+        busy timeout, while another connection holds the write lock (another engine
+        starting on the root, creating the schema): tried again until BUSY_SECONDS."""
+        deadline = time.monotonic() + BUSY_SECONDS
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     @contextlib.contextmanager
     def write(self, wait: bool = True) -> Iterator[RootIndex]:
