@@ -507,8 +507,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's hybrid KV cache manager calls this instead of request_finished: every
         # group's blocks are kept alike while a store copy may read them.
-        assert self.scheduler is not None
-        return self.scheduler.request_finished(request)
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # -- metrics ----------------------------------------------------------------------
     @classmethod

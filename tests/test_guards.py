@@ -395,3 +395,26 @@ def test_a_disk_path_that_cannot_be_used_turns_the_disk_tier_off_not_the_engine(
         assert not engine.invalid
     finally:
         engine.close()
+
+
+def test_request_finished_all_groups_is_guarded_and_forgets_the_announced_hit(model_dir, monkeypatch):
+    """vLLM's hybrid KV cache manager calls request_finished_all_groups instead of
+    request_finished: it must neither raise into vLLM nor keep the request's
+    announced hit (one entry leaked per aborted hit)."""
+    engine = Engine(model_dir)
+    try:
+        assert engine.prompt(request("r1", 3), [1, 2, 3, 4]) == 0
+        engine.step()
+        again = request("r2", 3)
+        hit, _ = engine.scheduler.get_num_new_matched_tokens(again, 0)
+        assert hit == 3 * BLOCK and "r2" in engine.scheduler._announced
+        assert engine.scheduler.request_finished_all_groups(again, ([],)) == (False, None)
+        assert "r2" not in engine.scheduler._announced  # aborted before its allocation
+        scheduler = engine.scheduler.scheduler
+        assert scheduler is not None
+        with monkeypatch.context() as patch:
+            patch.setattr(scheduler, "request_finished", boom)
+            assert engine.scheduler.request_finished_all_groups(again, ([5, 6, 7, 8],)) == (False, None)
+        assert engine.scheduler.get_kv_connector_stats().data.get("hook_failures") == 1
+    finally:
+        engine.close()
