@@ -7,7 +7,7 @@ layer by layer) and decode. Each workload runs with 8, 32 and 80 layers at batch
 1, 8 and 64, twice:
 
   waits   the old way: each copy waited for on the host in the hook that queued it
-          (TierCacheWorker._host_waits_for_copies, kept for this comparison only)
+          (TierCacheWorker.copies.host_waits, kept for this comparison only)
   events  this change: copies ordered by CUDA events, polled in later hooks
 
 and prints per step, for each: the host time spent in the connector's hooks, the

@@ -316,6 +316,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             worker.fail_loads_in_flight,
             nothing,
         )
+        # A load that raised while ending failed alone: counted, nothing else given up.
+        for error in worker.take_contained_errors():
+            self.guard.failed("get_finished", error)
         # Failed, every request vLLM keeps blocks for is reported once the copies are
         # over (a host wait, off the path of a step that went well): none is kept for ever.
         sending = self._guarded(

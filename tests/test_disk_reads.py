@@ -105,7 +105,7 @@ def test_a_disk_hit_lands_in_each_layer_before_its_attention_reads_it(kv, parts,
     try:
         if layer_order_known:
             step(worker, TierCacheMetadata())  # a step that shows every layer's hook
-            assert worker._layer_order == LAYERS
+            assert worker._loads.layer_order == LAYERS
         hashes = store_on_disk(worker, [0, 1, 2])
         want = {name: [page(kv, name, b).clone() for b in (0, 1, 2)] for name in LAYERS}
         for name in LAYERS:  # the target blocks hold other bytes before the load

@@ -98,7 +98,7 @@ def test_a_request_with_no_copy_in_flight_is_reported_at_once(stream, monkeypatc
 def test_the_old_way_waits_in_the_hook_that_queued_the_copy(stream, monkeypatch):
     """benchmarks/gpu_step.py's comparison: the switch brings back a host wait per copy."""
     worker = make_worker(paged_kv(), stream, monkeypatch)
-    worker._host_waits_for_copies = True
+    worker.copies.host_waits = True
     try:
         stream.held = True
         reports, _ = step(worker, TierCacheMetadata(stores=stores("r1", [2], [0])))
@@ -136,14 +136,14 @@ def test_a_step_that_may_replay_a_full_graph_loads_whole_before_its_forward(stre
     stream.host_waits = 0
     try:
         step(worker, TierCacheMetadata())  # every layer's hook came: layer by layer from now on
-        assert worker._layer_order is not None
+        assert worker._loads.layer_order is not None
         stream.held = True
         ops = [BlockOp(bytes([i]) * 32, gpu, slot, "cpu") for i, (gpu, slot) in enumerate([(8, 3), (9, 4)])]
         meta = TierCacheMetadata(loads=[LoadJob("r", ops, False)], full_graph=True)
         worker.step_arrives(meta)
         worker.forward_begins(meta)
         worker.start_load_kv(meta)
-        assert worker._layerwise == []  # not left for hooks a replay would skip
+        assert worker._loads.layerwise == []  # not left for hooks a replay would skip
         assert stream.forward_waited[-1] is stream.events[-1]
         assert all(torch.equal(kv[n][[8, 9]], want[n]) for n in LAYERS)
         worker.wait_for_save(meta)  # no layer hook in between: a graph replay

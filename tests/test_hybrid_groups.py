@@ -298,7 +298,7 @@ def test_a_failed_step_fails_a_hybrid_models_load_by_request_never_by_block(tmp_
     )
     worker.register_kv_caches(kv, slot_bytes)
     try:
-        assert worker.fails_whole_requests
+        assert worker._loads.ends.fails_whole_requests
         ops = [BlockOp(b"h" * 32, 3, 2, "disk"), BlockOp(b"i" * 32, 4, 3, "disk")]
         job = LoadJob("r", ops, is_async=True)
         meta = TierCacheMetadata(loads=[job])

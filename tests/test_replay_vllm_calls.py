@@ -171,7 +171,7 @@ def test_replay_fails_when_a_hook_waits_for_the_gpu(recording, tiers, interprete
     kernels = functools.partial(PagedKVCopier, staged=True, fused=True, stream=stream)
     monkeypatch.setattr(worker_module, "PagedKVCopier", kernels)
     replay = Replay(recording, "flash_attn", tiers)
-    replay.worker._host_waits_for_copies = True
+    replay.worker.copies.host_waits = True
     with pytest.raises(AssertionError, match=r"step \d+: \w+ waited for the GPU"):
         replay.run()
 

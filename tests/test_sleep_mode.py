@@ -100,7 +100,7 @@ def test_after_a_wake_up_loads_and_stores_use_the_memory_the_kv_tensors_hold_now
         step(worker, store(gpu_block=3, slot=1))  # a block cached before sleep
         cached = {name: kv[name][3].clone() for name in LAYERS}
         step(worker, TierCacheMetadata())  # a step that shows every layer's hook
-        assert worker._layer_order == LAYERS  # loads go layer by layer from here
+        assert worker._loads.layer_order == LAYERS  # loads go layer by layer from here
 
         worker.unregister_kv_caches()  # Worker.sleep, before the unmap
         old = remap(kv)  # the unmap and, at wake-up, the map: new memory
@@ -185,8 +185,8 @@ def staged_disk_load(worker: TierCacheWorker, req_id: str, slot: int, gpu_block:
     """A disk hit staging into its slot, as `start_load_kv` leaves it (short of the
     poll at its end, which could race the staging thread), staged once this returns."""
     job = LoadJob(req_id, [BlockOp(bytes([1]) * 32, gpu_block, slot, "disk")], True)
-    load = worker._stage(job)
-    worker._async.append(load)
+    worker._loads.start_async(job)
+    load = worker._loads.load_of(job)
     deadline = time.monotonic() + 30
     while not all(future.done() for _, _, future in load.staged):
         assert time.monotonic() < deadline, "the disk read never finished"
@@ -201,11 +201,10 @@ def test_a_disk_hit_staged_across_the_sleep_is_copied_in_only_after_the_wake_up(
         assert worker.engine.flush(30)
         cached = {name: kv[name][3].clone() for name in LAYERS}
 
-        # Reported to vLLM before the sleep: waiting for the next forward, which will
-        # not come before the unmap; it goes into the paged KV while still mapped.
+        # Reported to vLLM before the sleep: in the paged KV before it was reported.
         staged_disk_load(worker, "before", slot=2, gpu_block=6)
         assert worker.get_finished(set()) == {"before"}
-        worker.take_worker_meta()
+        assert all(torch.equal(kv[name][6], cached[name]) for name in LAYERS)
         worker.unregister_kv_caches()
         assert all(torch.equal(kv[name][6], cached[name]) for name in LAYERS)
         assert worker.take_worker_meta().counts()[(RELEASED, 2)] == 1  # its slot is free

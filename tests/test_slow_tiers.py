@@ -243,7 +243,7 @@ def test_a_staged_load_past_its_deadline_is_a_recompute_and_its_late_read_lands_
         load = TierCacheMetadata(loads=[LoadJob("r", [BlockOp(hashed, 7, 5, "s3")], is_async=True)])
         worker.start_load_kv(load)
         worker.wait_for_save(load)
-        (staging,) = [future for pending in worker._async for _, _, future in pending.staged]
+        (staging,) = [future for pending in worker._loads._staging for _, _, future in pending.staged]
         deadline = time.monotonic() + 30
         while "r" not in worker.get_finished() and time.monotonic() < deadline:
             time.sleep(0.05)

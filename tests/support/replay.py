@@ -219,7 +219,7 @@ class Replay:
             writes_lower_tiers=True,
             disk_share=config.disk.capacity if config.disk else 0,
         )
-        self.worker._host_waits_for_copies = host_waits_for_copies
+        self.worker.copies.host_waits = host_waits_for_copies
         self.host_waits_for_copies = host_waits_for_copies
         self.check_reads = check_reads
         self._hook: str | None = None  # the worker hook running now, if any
