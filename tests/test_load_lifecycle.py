@@ -209,3 +209,45 @@ def test_one_load_given_up_at_its_deadline_fails_no_other_load(tmp_path):
     finally:
         gate.set()
         worker.shutdown()
+
+
+def test_a_load_that_raises_while_copying_in_fails_alone(tmp_path, monkeypatch):
+    """The copy of one staged load raises: that load fails (its blocks recomputed),
+    the other staged in the same poll loads, and the error is handed to the connector
+    to count as a hook failure, not raised through get_finished (whose recovery gives
+    up every load in flight)."""
+    worker = make_worker(tmp_path, None, workers=1)
+    gate = threading.Event()
+    try:
+        assert worker.engine is not None and worker.copier is not None
+        one, two = bytes([9]) * 32, bytes([10]) * 32
+        store_on_disk(worker, one, gpu_block=3, slot=1)
+        store_on_disk(worker, two, gpu_block=2, slot=0)
+        worker.engine._stagers.submit(gate.wait)
+        jobs = [
+            LoadJob("a", [BlockOp(one, 6, 4, "disk")], True),
+            LoadJob("b", [BlockOp(two, 8, 5, "disk")], True),
+        ]
+        assert step(worker, TierCacheMetadata(loads=jobs)) == set()
+        gate.set()
+        worker.engine._stagers.submit(lambda: None).result()
+        worker.engine._stagers.submit(lambda: None).result()
+        real = worker.copier.queue_from_slots
+        calls = []
+
+        def first_raises(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+            return real(*args)
+
+        monkeypatch.setattr(worker.copier, "queue_from_slots", first_raises)
+        assert worker.get_finished(set()) == {"a", "b"}
+        assert worker.take_failed_blocks() == {6}
+        assert [str(error) for error in worker.take_contained_errors()] == ["injected"]
+        assert worker._registered_kv is not None
+        assert all(torch.equal(kv[8], kv[2]) for kv in worker._registered_kv.values())
+        assert released(worker)[4] == 1  # the failed load's slot is back too
+    finally:
+        gate.set()
+        worker.shutdown()
