@@ -2,6 +2,7 @@
 
     python benchmarks/e2e.py ttft  --lengths 1000,2000,4000 --repeats 3
     python benchmarks/e2e.py s3hit --s3-server seaweedfs --lengths 2000 --repeats 3
+    python benchmarks/e2e.py followup --lengths 2000 --repeats 4
     python benchmarks/e2e.py store --lengths 2000 --repeats 5 --s3-server sink
     python benchmarks/e2e.py table   (the saved TTFT run as a table)
     python benchmarks/e2e.py plot    (docs/img/e2e-ttft.png and e2e-store.png)
@@ -10,7 +11,9 @@
 hit and on tiercache hits from CPU, disk and S3, with plain reads and plain boto3 GETs
 of as many objects as the floors of the lower-tier hits. `s3hit`: the S3 hit against
 the CPU hit of the same prompt, on one S3 server. `store`: cold TTFT and decode
-tokens/s while storing, by tier set.
+tokens/s while storing, by tier set. `followup`: the CPU hit that comes right after the
+request that stored it (its write-down to disk in flight) against the same prompt's hit
+after an idle pause, in one engine over CPU and disk.
 
 Every engine is a fresh vLLM process that first runs unrelated warm-up prompts; figures
 are medians over `--repeats` distinct prompts. Every hit is checked: its cached tokens,
@@ -53,6 +56,10 @@ from harness import (
 )
 
 # -- TTFT -----------------------------------------------------------------------------
+
+# How long a storing engine idles before the same prompt's quiet CPU hit: every
+# write-down of the cold run has ended by then.
+IDLE_SECONDS = 5.0
 
 # Disk hits staged into CPU slots (as on GPUs), so that the same prompt asked again
 # is a CPU-tier hit: the disk hit / CPU hit pairs below need one.
@@ -123,7 +130,11 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
 
     with every_tier(args, work) as (storing, through_empty_disk, s3_url):
         # 4. tiercache with every tier (CPU + disk + Redis/S3, write-through).
-        engine("tiercache", warm(True, stored=True) + colds(decode, True), kv_transfer_config=storing)
+        engine(
+            "tiercache",
+            warm(True, stored=True) + colds(decode, True, idle_hit_after=IDLE_SECONDS),
+            kv_transfer_config=storing,
+        )
         # 5. A fresh engine, disk tier only: disk hits, then the same prompt again (now a
         #    CPU hit, with no write-through in flight).
         disk_only = tiercache_kv(
@@ -146,6 +157,43 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         }
     runner.stop()
     return {**summarize_ttft(runner.engines, lengths, args), "raw_transfers": raw}
+
+
+def run_followup(args: argparse.Namespace) -> dict[str, Any]:
+    """A follow-up turn right after the request that stored its prefix: each prompt
+    cold (stored to the CPU tier and written through to disk), its CPU hit at once,
+    then its CPU hit after `IDLE_SECONDS` of quiet, paired prompt by prompt."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    work = Path(args.workdir).resolve()
+    shutil.rmtree(work / "disk-followup", ignore_errors=True)
+    asks = Requests(lengths, args.repeats)
+    runner = ttft_runner(args, work, max(lengths), work / "partial-followup.json")
+    storing = tiercache_kv(
+        {"cpu": {"capacity": args.cpu_capacity}, "disk": {"path": str(work / "disk-followup")}}
+    )
+    runner.run(
+        "tiercache",
+        asks.warm(True, stored=True) + asks.colds(args.decode_tokens, True, idle_hit_after=IDLE_SECONDS),
+        kv_transfer_config=storing,
+    )
+    runner.stop()
+    table, _ = summarize_rows(runner.engines, FOLLOWUP_ROWS, lengths, (), reference_engine="tiercache")
+    return {
+        "machine": machine(),
+        "args": vars(args),
+        "lengths": lengths,
+        "table": table,
+        "decode": {},
+        "followup_vs_idle_hit": paired_hits(runner.engines, "tiercache", lengths, "hit", "idlehit"),
+        "raw": runner.engines,
+    }
+
+
+FOLLOWUP_ROWS = {
+    "cold (storing)": ("tiercache", "cold"),
+    "CPU hit right after (write-down in flight)": ("tiercache", "hit"),
+    f"CPU hit after {IDLE_SECONDS:.0f} s idle": ("tiercache", "idlehit"),
+}
 
 
 def run_s3_hit(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,10 +239,13 @@ S3HIT_ROWS = {
 }
 
 
-def paired_hits(engines: dict[str, Any], engine: str, lengths: list[int]) -> dict[int, dict[str, Any]]:
+def paired_hits(
+    engines: dict[str, Any], engine: str, lengths: list[int], label: str = "hit", baseline: str = "hit2"
+) -> dict[int, dict[str, Any]]:
     """Inside one engine, prompt by prompt (robust to other load on the machine): each
-    prompt's lower-tier hit against its CPU hit right after, as a ratio and in seconds."""
-    first, second = results_by(engines, engine, "hit"), results_by(engines, engine, "hit2")
+    prompt's `label` request against its `baseline` request (by default: its lower-tier
+    hit against its CPU hit right after), as a ratio and in seconds."""
+    first, second = results_by(engines, engine, label), results_by(engines, engine, baseline)
     out = {}
     for n in lengths:
         keys = [k for k in sorted(first) if k[0] == n and k in second]
@@ -281,6 +332,7 @@ TTFT_ROWS = {
     "ExampleConnector hit (same engine)": ("example", "hit"),
     "ExampleConnector hit (fresh engine)": ("example_fresh", "hit"),
     "tiercache CPU hit (same engine, write-through in flight)": ("tiercache", "hit"),
+    f"tiercache CPU hit (same engine, after {IDLE_SECONDS:.0f} s idle)": ("tiercache", "idlehit"),
     "tiercache CPU hit (after disk promote, quiet)": ("tiercache_disk", "hit2"),
     "tiercache disk hit (fresh engine)": ("tiercache_disk", "hit"),
     "tiercache S3 hit (fresh engine, empty disk)": ("tiercache_s3", "hit"),
@@ -307,11 +359,14 @@ def summarize_ttft(engines: dict[str, Any], lengths: list[int], args) -> dict[st
         },
         "raw": engines,
         "paired_lower_tier": {eng: paired_hits(engines, eng, lengths) for eng in LOWER_TIERS},
+        "followup_vs_idle_hit": paired_hits(engines, "tiercache", lengths, "hit", "idlehit"),
     }
 
 
 def print_ttft(data: dict[str, Any]) -> None:
     print_ttft_table(data)
+    if "followup_vs_idle_hit" in data:
+        print_paired(data["followup_vs_idle_hit"], "CPU hit right after its store / after idle")
     for eng, paired in data.get("paired_lower_tier", {}).items():
         what, floor = LOWER_TIERS[eng]
         print_paired(paired, f"{what} / CPU hit")
@@ -470,7 +525,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["ttft", "s3hit", "store", "plot", "table"])
+    parser.add_argument("what", choices=["ttft", "s3hit", "followup", "store", "plot", "table"])
     parser.add_argument("--lengths", default="2000", help="prompt lengths in tokens, comma separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated by the cold runs")
@@ -497,6 +552,11 @@ def main() -> None:
         data = run_s3_hit(args)
         save(args.name or f"s3hit-{args.s3_server}", data)
         print_s3_hit(data)
+    elif args.what == "followup":
+        data = run_followup(args)
+        save(args.name or "followup", data)
+        print_ttft_table(data)
+        print_paired(data["followup_vs_idle_hit"], "CPU hit right after its store / after idle")
     elif args.what == "store":
         save(args.name or "store", run_store(args))
     elif args.what == "table":

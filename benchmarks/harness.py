@@ -208,12 +208,17 @@ class Requests:
             out.append(request("warm", self.stored_warm))
         return out
 
-    def colds(self, max_tokens: int, then_hit: bool) -> list[dict[str, Any]]:
+    def colds(self, max_tokens: int, then_hit: bool, idle_hit_after: float = 0) -> list[dict[str, Any]]:
+        """Each prompt cold; with `then_hit`, again right after (a follow-up turn that
+        comes while the cold run's stores are being written down); with
+        `idle_hit_after`, once more after that many idle seconds."""
         items = []
         for (n, r), ids in self.prompts.items():
             items.append(request(f"cold/{n}/{r}", ids, max_tokens))
             if then_hit:
                 items.append(request(f"hit/{n}/{r}", ids))
+            if idle_hit_after:
+                items += [{"sleep": idle_hit_after}, request(f"idlehit/{n}/{r}", ids)]
         return items
 
     def hits(self, twice: bool = False) -> list[dict[str, Any]]:
