@@ -276,3 +276,47 @@ def test_config_refusals_name_the_field():
         build_config({"redis_url": "redis://h", "peer": {"enabled": True, "host": "not an address"}})
     with pytest.raises(ConfigError, match="peer.port"):
         build_config({"redis_url": "redis://h", "peer": {"port": 70000}})
+
+
+@needs_nixl
+def test_host_and_port_choose_where_the_agent_listens():
+    import psutil
+
+    from tiercache.ops.local_stack import free_port
+    from tiercache.tiers.peer.agent import NixlAgent
+
+    def listening() -> set:
+        return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+
+    before = listening()
+    port = free_port()
+    buffer = CpuBuffer(2, 4096, pin_memory=False)
+    agent = NixlAgent(nixl, "ports", buffer, SlotTable(2), 4096, host="127.0.0.1", port=port)
+    try:
+        opened = listening() - before
+        assert opened and all(a.ip == "127.0.0.1" and port <= a.port < port + 100 for a in opened), opened
+        assert "UCX_TCP_PORT_RANGE" not in os.environ  # set for this agent only
+    finally:
+        agent.close()
+
+
+@needs_nixl
+def test_a_restarted_holder_is_read_through_its_new_agent(redis, redis_url):
+    first = start_holder(redis_url)
+    reader = tier(redis, "reader")
+    hashes = [block_hash(i) for i in range(SLOTS)]
+    second = None
+    try:
+        assert reader.read("remote", [(hashes[0], 0)], deadline()).loaded == [0]
+        first.kill()
+        first.wait()
+        second = start_holder(redis_url)  # the same instance name, a new NIXL agent
+        result = reader.read("remote", [(hashes[5], 5)], deadline())
+        assert result.loaded == [0], result
+        assert np.array_equal(local_bytes(reader, 5), block_bytes(5, SLOT_BYTES))
+    finally:
+        reader.close()
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                process.wait()

@@ -91,6 +91,7 @@ class PeerTier:
         self.registry = PeerRegistry(redis, shape.model_digest, shape.rank_digest, instance, ttl)
         self._lock = threading.Lock()  # one read at a time: one agent, one scratch
         self._skip_until: dict[str, float] = {}
+        self._agent_of: dict[str, str] = {}  # instance -> the NIXL agent last read from
         self.registry.start(self.agent.record())
 
     @classmethod
@@ -177,6 +178,10 @@ class PeerTier:
                 return self._miss_all(result, range(len(blocks)), "redis unavailable")
             if record is None:
                 return self._miss_all(result, range(len(blocks)), "peer has no live record")
+            previous = self._agent_of.get(instance)
+            if previous is not None and previous != record.agent:
+                self.agent.forget(previous)  # the instance restarted: its old agent is gone
+            self._agent_of[instance] = record.agent
             if record.slot_bytes != self.buffer.slot_bytes or record.entries < PROBE:
                 self._skip(instance, "its slots differ from this worker's")
                 return self._miss_all(result, range(len(blocks)), "peer slots differ")
