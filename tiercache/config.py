@@ -3,6 +3,7 @@ a YAML file, or TIERCACHE_* environment overrides."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+PEER_PORT_SPAN = 100  # ports from peer.port that UCX may listen on
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -299,6 +301,53 @@ class PresenceConfig(_Strict):
         return self
 
 
+class PeerConfig(_Strict):
+    """The peer tier: blocks read straight out of another live instance's CPU tier over
+    NIXL, found through the presence each instance publishes in Redis."""
+
+    enabled: bool = Field(
+        default=False,
+        description="share this instance's CPU tier with other instances of the deployment over NIXL and "
+        "read their CPU tiers (needs redis_url and the nixl-cu12 package; without NIXL the tier is off "
+        "with a warning). The connector does not consult it yet: the data plane alone is in place",
+    )
+    host: str | None = Field(
+        default=None,
+        max_length=253,
+        description="the IP address of this machine's network interface that peers reach it through; "
+        "unset, every interface UCX finds",
+    )
+    port: int = Field(
+        default=0,
+        ge=0,
+        le=65535 - PEER_PORT_SPAN,
+        description=f"first TCP port of the {PEER_PORT_SPAN} ports this instance's NIXL agents listen "
+        "in (for a firewall rule); 0, any free port",
+    )
+    ttl: float = Field(
+        default=15.0,
+        ge=3,
+        le=3600,
+        description="seconds a worker's NIXL address stays in Redis after its last refresh",
+    )
+    skip_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        le=3600,
+        description="seconds a peer that failed a read (dead, late, refused, wrong bytes) is not asked again",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str | None) -> str | None:
+        if host is not None:
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError(f"peer.host must be an IP address, got {host!r}") from None
+        return host
+
+
 INTEGRITY_KEY_MIN = 32
 
 
@@ -341,6 +390,9 @@ class TierCacheConfig(_Strict):
     )
     presence: PresenceConfig = Field(
         default=PresenceConfig(), description="what this instance tells routers it holds, through Redis"
+    )
+    peer: PeerConfig = Field(
+        default=PeerConfig(), description="reading blocks from other instances' CPU tiers (off by default)"
     )
     integrity_key: SecretStr | None = Field(
         default=None,
@@ -388,6 +440,14 @@ class TierCacheConfig(_Strict):
             raise ValueError(
                 "s3 needs redis_url: the shared S3 tier is indexed in Redis "
                 "(without Redis, use the cpu and disk tiers alone)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _peer_needs_redis(self) -> TierCacheConfig:
+        if self.peer.enabled and self.redis_url is None:
+            raise ValueError(
+                "peer.enabled needs redis_url: instances find each other's CPU tiers through Redis"
             )
         return self
 
