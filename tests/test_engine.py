@@ -5,7 +5,6 @@ backpressure, shutdown flush, full disk, Redis outage."""
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 import uuid
@@ -509,36 +508,3 @@ def test_a_missing_s3_object_is_unindexed(stack):
     out = memoryview(bytearray(BLOCK))
     assert not cache.engine.read_into(block(0), out, S3)
     assert indexed(cache) == 0  # NoSuchKey: the entry named nothing
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move a thread between")
-def test_write_down_threads_leave_the_cores_vllm_bound_the_model_to(tmp_path):
-    """vLLM's CPU backend binds the worker's compute thread to the model's cores, and
-    every thread it starts inherits that: write-downs would take the forward's core.
-    An engine started from such a thread writes down from the other cores, at a lower
-    priority; its stagers (reads a request waits on) stay where they are."""
-    cpus = sorted(os.sched_getaffinity(0))
-    seen: dict[str, object] = {}
-
-    def compute_thread() -> None:
-        os.sched_setaffinity(0, {cpus[0]})  # as vLLM binds its OMP thread
-        engine = TierEngine(make_config(tmp_path), new_shape(), CpuBuffer(4, 4096), disk_capacity=1 << 20)
-        try:
-            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-            def where() -> tuple[set[int], int]:
-                me = threading.get_native_id()
-                return os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, me) - nice
-
-            seen["mover"] = engine._movers.submit(where).result()
-            seen["uploader"] = engine._uploaders.submit(where).result()
-            seen["stager"] = engine._stagers.submit(where).result()
-        finally:
-            engine.close()
-
-    thread = threading.Thread(target=compute_thread)
-    thread.start()
-    thread.join()
-    spare = set(cpus[1:])
-    assert seen["mover"] == (spare, 10) and seen["uploader"] == (spare, 10)
-    assert seen["stager"] == ({cpus[0]}, 0)

@@ -22,7 +22,6 @@ from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.metrics import MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
-from tiercache.threads import background_thread
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
 from tiercache.tiers.disk.tier import DiskPages, DiskTier
@@ -134,15 +133,10 @@ class TierEngine:
                 packing.run_blocks(shape.slot_bytes), packing.pack_flush_seconds, self._ship_run
             )
         movers = config.movers
-        # Write-downs run off the model's cores where vLLM bound them (threads.py).
-        self._movers = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-mover", initializer=background_thread
-        )
+        self._movers = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-mover")
         # S3 uploads run on threads of their own, so that a slow S3 never holds up the
         # disk writes queued behind it, nor the slots those writes free.
-        self._uploaders = ThreadPoolExecutor(
-            movers.workers, thread_name_prefix="tiercache-upload", initializer=background_thread
-        )
+        self._uploaders = ThreadPoolExecutor(movers.workers, thread_name_prefix="tiercache-upload")
         # An upload reads its block from the CPU slot, so the slot stays pinned until
         # S3 answers. At most this many slots are held that way: past it a block goes
         # to disk only, and a slow S3 cannot pin the whole tier and make the scheduler
