@@ -138,8 +138,31 @@ class LoadCostModel:
             blocks[tier] += 1
             if end < len(tiers) and tiers[end] == tier:
                 continue
-            load = max((self.expected_load_seconds(t, n) for t, n in blocks.items()), default=0.0)
-            saving = end * block_size * per_token - load
+            saving = self._saving(blocks, end * block_size * per_token)
             if saving >= best_saving:
                 best, best_saving = end, saving
         return best
+
+    def blocks_to_load_by_prefix(self, tiers: Sequence[str], block_size: int) -> list[int]:
+        """`blocks_to_load` of every prefix of `tiers` in one pass: the m-th answer is
+        that of the first m blocks. A hit cut back to fit the CPU tier asks it of
+        many prefixes."""
+        fitted = self.prefill.fit()
+        if fitted is None:
+            return list(range(1, len(tiers) + 1))
+        per_token = fitted[1]
+        answers = []
+        best, best_saving = 0, 0.0  # of the cut points inside the prefixes still to come
+        blocks: Counter = Counter()
+        for end, tier in enumerate(tiers, start=1):
+            blocks[tier] += 1
+            saving = self._saving(blocks, end * block_size * per_token)
+            answers.append(end if saving >= best_saving else best)  # a prefix may end here
+            if end < len(tiers) and tiers[end] != tier and saving >= best_saving:
+                best, best_saving = end, saving
+        return answers
+
+    def _saving(self, blocks: Counter, recompute_seconds: float) -> float:
+        """What loading a prefix of these blocks per tier saves over computing it."""
+        load = max((self.expected_load_seconds(t, n) for t, n in blocks.items()), default=0.0)
+        return recompute_seconds - load

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 from tiercache.index.redis_conn import GuardedRedis
@@ -93,6 +94,79 @@ if touch then
   end
 end
 return found
+""" % (_CHUNK, RUN_ID_BYTES, _CHUNK)
+
+
+# KEYS: as _LOOKUP. ARGV: now, touch (0/1), then per probe: member length, prefix
+# (0/1), members concatenated. Returns per probe a string of '1' (every rank holds the
+# member) and '0'; a prefix probe is read up to its first miss only, and its string
+# ends there. With touch, the runs holding any member found get `now`.
+_PRESENCE = """
+local now = ARGV[1]
+local touch = ARGV[2] == '1'
+local answers = {}
+local runs = {}
+for r = 1, #KEYS, 2 do runs[r] = {} end
+for p = 1, (#ARGV - 2) / 3 do
+  local width = tonumber(ARGV[3 * p])
+  local prefix = ARGV[3 * p + 1] == '1'
+  local blob = ARGV[3 * p + 2]
+  local n = #blob / width
+  local member, held = {}, {}
+  for i = 1, n do
+    member[i] = string.sub(blob, (i - 1) * width + 1, i * width)
+    held[i] = true
+  end
+  local asked, answered = n, n
+  local locs = {}
+  for r = 1, #KEYS, 2 do
+    locs[r] = {}
+    local i = 1
+    while i <= asked do
+      local last = math.min(asked, i + %d - 1)
+      local values = redis.call('HMGET', KEYS[r], unpack(member, i, last))
+      for j = 1, #values do
+        local k = i + j - 1
+        if values[j] then
+          locs[r][k] = values[j]
+        else
+          held[k] = false
+          if prefix then
+            answered, asked = k, k - 1
+            break
+          end
+        end
+      end
+      i = last + 1
+    end
+  end
+  local out = {}
+  for i = 1, answered do
+    if held[i] then
+      out[i] = '1'
+      for r = 1, #KEYS, 2 do runs[r][string.sub(locs[r][i], 1, %d)] = true end
+    else
+      out[i] = '0'
+    end
+  end
+  answers[p] = table.concat(out)
+end
+if touch then
+  for r = 1, #KEYS, 2 do
+    local args = {}
+    for run in pairs(runs[r]) do
+      args[#args + 1] = now
+      args[#args + 1] = run
+    end
+    local i = 1
+    while i <= #args do
+      local last = math.min(#args, i + %d - 1)
+      redis.call('ZADD', KEYS[r + 1], 'XX', unpack(args, i, last))
+      i = last + 1
+    end
+  end
+end
+return answers
 """ % (_CHUNK, RUN_ID_BYTES, _CHUNK)
 
 
@@ -240,6 +314,38 @@ class RedisIndex:
         if found:
             LOOKUP_HITS.labels("s3").inc(found)
         return found
+
+    def presence(
+        self,
+        model_digest: str,
+        rank_digests: list[str] | tuple[str, ...],
+        probes: Sequence[tuple[Sequence[bytes], bool]],
+        touch: bool = True,
+    ) -> list[list[bool]]:
+        """Which blocks of each probe (hashes, prefix) every rank holds in S3, every
+        probe in one round trip: one True or False per block, in order. A prefix probe
+        is read up to its first miss only (as `longest_prefix`): its answer ends with
+        that miss. Raises RedisUnavailable (the caller counts misses)."""
+        if not probes:
+            return []
+        keys = [key for digest in rank_digests for key in index_keys(model_digest, digest)[:2]]
+        args: list = [repr(time.time()), "1" if touch else "0"]
+        for hashes, prefix in probes:
+            # One width per probe: a mixed list (never seen from vLLM) is asked as far
+            # as its first width goes, and the rest answered as misses.
+            width = len(hashes[0]) if hashes else 0
+            cut = next((i for i, h in enumerate(hashes) if len(h) != width), len(hashes)) if width else 0
+            args += [width or 1, "1" if prefix else "0", b"".join(hashes[:cut])]
+        script = self.redis.script(_PRESENCE)
+        bound = self.redis.settings.socket_timeout
+        raw = self.redis.call("lookup", lambda: script(keys=keys, args=args), slow_after=bound)
+        answers = []
+        for (hashes, prefix), text in zip(probes, raw, strict=True):
+            held = [mark == ord("1") for mark in text]
+            if len(held) < len(hashes) and (not prefix or not held or held[-1]):
+                held += [False] * (1 if prefix else len(hashes) - len(held))
+            answers.append(held)
+        return answers
 
     def add_run(
         self, model_digest: str, rank_digest: str, run_id: bytes, record: RunRecord, when: float | None = None

@@ -17,7 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.errors import GcBusy
 from tiercache.index.block_hashing import BlockHashing
-from tiercache.index.kv_groups import GroupRule, best_end, group_key
+from tiercache.index.kv_groups import FULL, GroupRule, best_end, group_key
 from tiercache.index.presence import instance_prefixes
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment, RedisIndex
@@ -277,14 +277,16 @@ class ServiceState:
         assert s3_index is not None  # lookup asks only with an index
         rules = [GroupRule.decode(text) for text in dep.groups]
         block_size = dep.block_size or 1
-        s3_found: dict[tuple[int, int], bool] = {}
+        # Every group's blocks in one round trip: a full-attention group's as a
+        # prefix, the others' one by one (which of them count depends on where the
+        # hit ends). touch=False: a router asking is not a use.
+        keys = [[group_key(block, group) for block in raw] for group in range(len(rules))]
+        probes = [(group_keys, rule.kind == FULL) for group_keys, rule in zip(keys, rules, strict=True)]
+        answers = s3_index.presence(dep.model_digest, dep.rank_digests, probes, touch=False)
 
         def in_s3(group: int, index: int) -> bool:
-            if (group, index) not in s3_found:
-                key = group_key(raw[index], group)
-                found = s3_index.longest_prefix(dep.model_digest, dep.rank_digests, [key], touch=False)
-                s3_found[(group, index)] = bool(found)
-            return s3_found[(group, index)]
+            held = answers[group]
+            return index < len(held) and held[index]
 
         def on_disk(group: int, index: int) -> bool:
             assert self.disk is not None  # asked only with a disk tier
