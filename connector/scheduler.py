@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tiercache.admission import admission_for
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.index.block_hashing import BlockHashing
 from tiercache.index.keys import KVSpec
@@ -185,6 +186,7 @@ class TierCacheScheduler:
             slots_for(config.cpu.capacity, self.slot_bytes),
             self.slot_bytes,
             write_back=config.movers.policy == "write_back",
+            admission=admission_for(config, slots_for(config.cpu.capacity, self.slot_bytes), self.slot_bytes),
         )
         self.slots = self.policy.slots
         self.worker_count = worker_count
@@ -368,6 +370,8 @@ class TierCacheScheduler:
         # the last ask is seen); the S3 part from the request's last answer while
         # that still says (a waiting request is asked about every step).
         earlier = self._lookups.get(request.request_id)
+        if earlier is None:
+            self.policy.requested([bytes(h) for h in hashes[first:limit]])
         tiers = []
         for i in range(first, limit):
             block = bytes(hashes[i])
@@ -738,6 +742,7 @@ class TierCacheScheduler:
         self._order_copies(scheduler_output, meta)
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
+        meta.write_back_tiers = self.policy.take_write_back_tiers()
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
         self._step += 1
         self._hit_tiers.clear()

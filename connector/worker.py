@@ -335,7 +335,8 @@ class TierCacheWorker:
         for block_hash, slot in meta.write_backs:
             # The slot is reused this step: write the old block down from a copy.
             data = bytes(self.buffer.view(slot))
-            self.engine.write_down(block_hash, None, self._after_write, data=data)
+            tiers = meta.write_back_tiers.get(block_hash, (DISK, S3))
+            self.engine.write_down(block_hash, None, self._after_write, data=data, tiers=tiers)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs.
@@ -704,7 +705,7 @@ class TierCacheWorker:
     def _promotes_to_disk(self, tier: str) -> bool:
         has_disk = self.engine is not None and self.engine.disk is not None
         return self.writes_lower_tiers and promotes_to_disk(
-            tier, has_disk, write_back=self.config.movers.policy == "write_back"
+            tier, has_disk, write_back=self.config.movers.policy != "write_through"
         )
 
     def _fail_all(self, meta: TierCacheMetadata) -> None:
@@ -880,7 +881,7 @@ class TierCacheWorker:
         assert self.engine is not None  # copies are queued only with an engine
         # Under write-back a stored block goes down only when the CPU tier evicts it
         # (the scheduler's write-backs, `_begin_step`).
-        writes_through = self.writes_lower_tiers and self.config.movers.policy != "write_back"
+        writes_through = self.writes_lower_tiers and self.config.movers.policy == "write_through"
         for op in ops:
             self._emit(FILLED, (op.block_hash, op.slot))
             if writes_through:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 import torch
@@ -61,9 +61,11 @@ class SlotAllocator(Generic[K]):
                 if key in self._slot_of:
                     self._slot_of.move_to_end(key)
 
-    def allocate(self, key: K) -> tuple[int, K | None]:
-        """A pinned slot for `key`, and the key evicted to make room (or None).
-        The caller fills the slot, then unpins it."""
+    def allocate(self, key: K, first_choice: Callable[[K], bool] | None = None) -> tuple[int, K | None]:
+        """A pinned slot for `key`, and the key evicted to make room (or None): the
+        least recently used unpinned key, or where `first_choice` is given, the least
+        recently used unpinned one it accepts if there is one (a segmented LRU's
+        probation). The caller fills the slot, then unpins it."""
         with self._lock:
             if key in self._slot_of:
                 raise KeyError(f"{key} already holds a slot")
@@ -71,7 +73,12 @@ class SlotAllocator(Generic[K]):
             if self._free:
                 slot = self._free.pop()
             else:
-                evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
+                if first_choice is not None:
+                    evicted = next(
+                        (k for k, s in self._slot_of.items() if s not in self._pins and first_choice(k)), None
+                    )
+                if evicted is None:
+                    evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
                 if evicted is None:
                     raise CpuTierFull(f"all {self.num_slots} CPU slots are in use by transfers")
                 slot = self._slot_of.pop(evicted)
