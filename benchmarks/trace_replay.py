@@ -118,9 +118,7 @@ def _counters() -> dict[str, float]:
         "disk_writes": _sample("tiercache_tier_ops_total", {"tier": "disk", "op": "put", "result": "ok"}),
         "s3_bytes": _sample("tiercache_tier_bytes_total", {"tier": "s3", "op": "put"}),
         "s3_puts": _sample("tiercache_s3_requests_total", {"op": "put"}),
-        "dropped": sum(
-            _sample("tiercache_mover_dropped_total", {"tier": tier}) for tier in ("disk", "s3")
-        ),
+        "dropped": sum(_sample("tiercache_mover_dropped_total", {"tier": tier}) for tier in ("disk", "s3")),
     }
 
 
@@ -167,7 +165,9 @@ def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, st
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path, help="a trace in Mooncake's format (jsonl)")
-    parser.add_argument("--requests", type=int, default=None, help="replay the first N requests (default all)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="replay the first N requests (default all)"
+    )
     parser.add_argument(
         "--capacities", default="0.05,0.12,0.25", help="CPU + disk capacity, fractions of the distinct blocks"
     )
@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
         "block_bytes": BLOCK_BYTES,
         "runs": [],
     }
-    print(f"{args.trace.name}: {len(trace)} requests, {asked} blocks asked, {distinct} distinct, infinite cache hits {infinite}")
+    print(
+        f"{args.trace.name}: {len(trace)} requests, {asked} blocks asked, {distinct} distinct, infinite cache hits {infinite}"
+    )
     work = Path(tempfile.mkdtemp(prefix="tiercache-replay-"))
     stack_context = None
     stack = None
@@ -233,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
                     s3_ratio = base["s3_bytes"] / max(1, result["s3_bytes"]) if args.s3 else None
                     print(
                         f"  {fraction:.0%} {policy} vs write_through: hits x{hits_ratio:.2f}, "
-                        f"disk bytes 1/{disk_ratio:.1f}" + (f", S3 bytes 1/{s3_ratio:.1f}" if s3_ratio else ""),
+                        f"disk bytes 1/{disk_ratio:.1f}"
+                        + (f", S3 bytes 1/{s3_ratio:.1f}" if s3_ratio else ""),
                         flush=True,
                     )
     finally:
