@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": [],
     }
     print(
-        f"{args.trace.name}: {len(trace)} requests, {asked} blocks asked, {distinct} distinct, infinite cache hits {infinite}"
+        f"{args.trace.name}: {len(trace)} requests, {asked} blocks asked, {distinct} distinct, "
+        f"infinite cache hits {infinite}"
     )
     work = Path(tempfile.mkdtemp(prefix="tiercache-replay-"))
     stack_context = None
