@@ -122,19 +122,31 @@ def _counters() -> dict[str, float]:
     }
 
 
+def movers_of(spec: str) -> dict:
+    """`selective+selective_disk_min_requests=1`: a mover policy and settings of the
+    movers section to run it with."""
+    policy, *settings = spec.split("+")
+    movers: dict = {"policy": policy}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        movers[key] = value
+    return movers
+
+
 def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, stack=None) -> dict:
-    """One run of `trace` under `policy`: hits per tier and what went down."""
+    """One run of `trace` under `policy` (a spec, see movers_of): hits per tier and
+    what went down."""
     from tiercache.config import build_config
     from tiercache.connector.driver import ConnectorDriver
     from tiercache.object_shape import ObjectShape
 
     object_bytes = ObjectShape("0" * 16, "0" * 16, BLOCK_BYTES).object_bytes
-    run = f"{policy}-{cpu_blocks}-{disk_blocks}-{time.monotonic_ns()}"
+    run = f"run-{cpu_blocks}-{disk_blocks}-{time.monotonic_ns()}"
     data: dict = {
         "namespace": run,
         "cpu": {"capacity": cpu_blocks * BLOCK_BYTES},
         "disk": {"path": str(work / run), "capacity": disk_blocks * object_bytes},
-        "movers": {"policy": policy, "cost_model": "off", "queue_depth": 1_000_000, "workers": 2},
+        "movers": {"cost_model": "off", "queue_depth": 1_000_000, "workers": 2, **movers_of(policy)},
     }
     if stack is not None:
         redis_server, s3 = stack
@@ -162,6 +174,29 @@ def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, st
     return {"hits": hits, **moved, "seconds": round(time.monotonic() - start, 1)}
 
 
+def table(report: dict) -> str:
+    """The runs of one report as a markdown table, each policy against write-through
+    at the same capacity."""
+    lines = [
+        "| capacity | policy | hits CPU / disk / S3 | CPU + disk hits (x write-through) | of Belady | "
+        "of infinite | disk writes (MiB) | S3 PUTs (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {run["capacity"]: run for run in report["runs"] if run["policy"] == "write_through"}
+    mib = 1 << 20
+    for run in report["runs"]:
+        hits = run["hits"]
+        ref = base.get(run["capacity"])
+        times = f" (x{run['local_hits'] / max(1, ref['local_hits']):.2f})" if ref and ref is not run else ""
+        lines.append(
+            f"| {run['capacity']:.0%} | {run['policy']} | {hits['cpu']} / {hits['disk']} / {hits['s3']} | "
+            f"{run['local_hits']}{times} | {run['of_belady']} | {run['of_infinite']} | "
+            f"{run['disk_writes']} ({run['disk_bytes'] / mib:.0f}) | "
+            f"{run['s3_puts']} ({run['s3_bytes'] / mib:.0f}) |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path, help="a trace in Mooncake's format (jsonl)")
@@ -172,10 +207,19 @@ def main(argv: list[str] | None = None) -> dict:
         "--capacities", default="0.05,0.12,0.25", help="CPU + disk capacity, fractions of the distinct blocks"
     )
     parser.add_argument("--cpu-share", type=float, default=0.5, help="the CPU tier's part of the capacity")
-    parser.add_argument("--policies", default="write_through,selective")
+    parser.add_argument(
+        "--policies",
+        default="write_through,selective",
+        help="comma separated: a mover policy, with settings after +: selective+selective_s3_min_requests=1",
+    )
     parser.add_argument("--s3", action="store_true", help="an S3 tier too (moto and redis-server, local)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--table", type=Path, default=None, help="print a saved report (--out) as a table")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        report = json.loads(args.table.read_text())
+        print(table(report))
+        return report
 
     trace = read_trace(args.trace, args.requests)
     distinct = len({block for request in trace for block in request})
@@ -245,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
             stack_context.__exit__(None, None, None)
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
     return report
 
 
