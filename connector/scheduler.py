@@ -364,14 +364,18 @@ class TierCacheScheduler:
         first = num_computed_tokens // self.block_size
         if first >= limit:
             return 0, False
+        if self.policy.admission is not None and request.request_id not in self._lookups:
+            # The selective policy's evidence of reuse: each request's blocks, once.
+            keys = [bytes(h) for h in hashes[first:limit]]
+            if self.hybrid:
+                keys = [group_key(key, group) for group in range(len(self.group_rules)) for key in keys]
+            self.policy.requested(keys)
         if self.hybrid:
             return self._lookup_groups(request, hashes, first, limit, num_computed_tokens)
         # The local tiers afresh every time (a block evicted, failed or filled since
         # the last ask is seen); the S3 part from the request's last answer while
         # that still says (a waiting request is asked about every step).
         earlier = self._lookups.get(request.request_id)
-        if earlier is None:
-            self.policy.requested([bytes(h) for h in hashes[first:limit]])
         tiers = []
         for i in range(first, limit):
             block = bytes(hashes[i])
