@@ -74,9 +74,7 @@ class SlotAllocator(Generic[K]):
                 slot = self._free.pop()
             else:
                 if first_choice is not None:
-                    evicted = next(
-                        (k for k, s in self._slot_of.items() if s not in self._pins and first_choice(k)), None
-                    )
+                    evicted = self._first_accepted(first_choice)
                 if evicted is None:
                     evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
                 if evicted is None:
@@ -87,6 +85,25 @@ class SlotAllocator(Generic[K]):
             self._pins[slot] = 1
             self._publish()
             return slot, evicted
+
+    def _first_accepted(self, first_choice: Callable[[K], bool]) -> K | None:
+        """(Under the lock.) The least recently used unpinned key `first_choice`
+        accepts. The unpinned keys it passes over move to the most recent end, in their
+        order (a second chance, as a clock gives), so the next search does not walk
+        past them again: a search costs, over time, about one key per eviction."""
+        passed: list[K] = []
+        found = None
+        for key, slot in self._slot_of.items():
+            if slot in self._pins:
+                continue
+            if first_choice(key):
+                found = key
+                break
+            passed.append(key)
+        if found is not None:
+            for key in passed:
+                self._slot_of.move_to_end(key)
+        return found
 
     def pin(self, key: K) -> int | None:
         """Pin `key`'s slot for a read (marks it recently used); None if absent."""
