@@ -159,3 +159,14 @@ def test_sketch_counts_and_forgets():
     for _ in range(sketch.sample):  # enough counts to halve every counter once
         sketch.add(b"other")
     assert sketch.estimate(b"hot") == 1 and sketch.estimate(b"cold") == 0
+
+
+def test_sketch_tells_once_from_twice_when_full():
+    """Admission compares estimates with 2: a sketch holding as many distinct keys as
+    it counts between ageings must still see a key asked for once as once."""
+    capacity = 256
+    sketch = FrequencySketch(capacity)
+    for i in range(sketch.sample - 1):  # all but one count before the first ageing
+        sketch.add(i.to_bytes(8, "big"))
+    overcounted = sum(sketch.estimate(i.to_bytes(8, "big")) >= 2 for i in range(sketch.sample - 1))
+    assert overcounted <= 0.02 * (sketch.sample - 1)
