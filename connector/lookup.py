@@ -12,6 +12,7 @@ from tiercache.index.redis_conn import RedisUnavailable
 from tiercache.metrics import LOOKUP_BLOCKS
 from tiercache.tiers import CPU, S3
 
+from .groups import group_key
 from .scheduler_base import SchedulerBase
 from .scheduler_state import Lookup, S3Answer
 
@@ -26,6 +27,12 @@ class Lookups(SchedulerBase):
         first = num_computed_tokens // self.block_size
         if first >= limit:
             return 0, False
+        if self.policy.admission is not None and request.request_id not in self._lookups:
+            # The selective policy's evidence of reuse: each request's blocks, once.
+            keys = [bytes(h) for h in hashes[first:limit]]
+            if self.hybrid:
+                keys = [group_key(key, group) for group in range(len(self.group_rules)) for key in keys]
+            self.policy.requested(keys)
         if self.hybrid:
             return self._lookup_groups(request, hashes, first, limit, num_computed_tokens)
         # The local tiers afresh every time (a block evicted, failed or filled since

@@ -32,6 +32,9 @@ class LoadJob:
 class TierCacheMetadata(KVConnectorMetadata):
     # Write-back victims: copy their slot out before anything this step reuses it.
     write_backs: list[tuple[bytes, int]] = field(default_factory=list)
+    # The write-back victims that go to some lower tiers only, and which (the
+    # `selective` policy's admission, tiercache/admission.py); absent: every tier.
+    write_back_tiers: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockOp] = field(default_factory=list)
     # Requests whose last block to store is in this step's stores: their partial S3

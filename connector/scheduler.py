@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from tiercache.admission import admission_for
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.index.block_hashing import BlockHashing
 from tiercache.index.keys import KVSpec
@@ -133,6 +134,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             slots_for(config.cpu.capacity, self.slot_bytes),
             self.slot_bytes,
             write_back=config.movers.policy == "write_back",
+            admission=admission_for(config, slots_for(config.cpu.capacity, self.slot_bytes), self.slot_bytes),
         )
         self.slots = self.policy.slots
         self.worker_count = worker_count
@@ -336,6 +338,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         self._order_copies(scheduler_output, meta)
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
+        meta.write_back_tiers = self.policy.take_write_back_tiers()
+        meta.write_back_tiers = self.policy.take_write_back_tiers()
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
         self._step += 1
         self._hit_tiers.clear()

@@ -17,7 +17,7 @@ from tiercache.config import TierCacheConfig
 from tiercache.engine import ObjectShape, TierEngine, WriteResult
 from tiercache.index.keys import KVSpec
 from tiercache.policy import reads_disk_in_forward
-from tiercache.tiers import DISK
+from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
 
 from . import sync
@@ -234,7 +234,8 @@ class TierCacheWorker:
         for block_hash, slot in meta.write_backs:
             # The slot is reused this step: write the old block down from a copy.
             data = bytes(self.buffer.view(slot))
-            self.engine.write_down(block_hash, None, self.after_write, data=data)
+            tiers = meta.write_back_tiers.get(block_hash, (DISK, S3))
+            self.engine.write_down(block_hash, None, self.after_write, data=data, tiers=tiers)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs.
@@ -413,7 +414,7 @@ class TierCacheWorker:
         assert self.engine is not None  # copies are queued only with an engine
         # Under write-back a stored block goes down only when the CPU tier evicts it
         # (the scheduler's write-backs, `_begin_step`).
-        writes_through = self.writes_lower_tiers and self.config.movers.policy != "write_back"
+        writes_through = self.writes_lower_tiers and self.config.movers.policy == "write_through"
         for op in ops:
             self.emit(FILLED, (op.block_hash, op.slot))
             if writes_through:

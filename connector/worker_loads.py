@@ -363,7 +363,7 @@ class WorkerLoads:
         worker = self._worker
         has_disk = worker.engine is not None and worker.engine.disk is not None
         return worker.writes_lower_tiers and promotes_to_disk(
-            tier, has_disk, write_back=worker.config.movers.policy == "write_back"
+            tier, has_disk, write_back=worker.config.movers.policy != "write_through"
         )
 
     # -- asynchronous loads -------------------------------------------------------------

@@ -37,3 +37,43 @@ def test_foreign_vllm_sees_other_engines_not_commands_queued_on_the_engine_lock(
     assert engine.pid in pids, found
     assert queued.pid not in pids, found
     assert wrapper_pid not in pids, found
+
+
+def _trace_replay():
+    sys.path.insert(0, str(BENCHMARKS))
+    import trace_replay
+
+    return trace_replay
+
+
+def test_belady_and_the_infinite_cache_count_prefix_hits():
+    replay = _trace_replay()
+    trace = [[1, 2], [1, 3], [1, 2], [4], [1, 2, 3]]
+    assert replay.infinite_hits(trace) == 1 + 2 + 3  # [1]; [1, 2]; [1, 2, 3], each seen before
+    # One block of room: 1 is asked for most, and Belady keeps it throughout.
+    assert replay.belady_hits(trace, 1) == 3
+    assert replay.belady_hits(trace, 10) == replay.infinite_hits(trace)
+
+
+def test_trace_replay_runs_both_policies_through_the_connector(tmp_path):
+    """A small trace in Mooncake's format: a system prompt every request shares, a
+    few conversations that come back, and blocks read once. Each policy's hits stay
+    within Belady's, and the selective policy writes fewer blocks to disk."""
+    lines = []
+    fresh = iter(range(1000, 10**6))
+    conversations = [[next(fresh) for _ in range(3)] for _ in range(4)]
+    for turn in range(3):
+        for blocks in conversations:
+            blocks.append(next(fresh))
+            lines.append({"timestamp": turn, "input_length": 0, "output_length": 0, "hash_ids": [0, *blocks]})
+            lines.append({"timestamp": turn, "hash_ids": [0, *(next(fresh) for _ in range(6))]})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = _trace_replay().main([str(trace), "--capacities", "0.25", "--out", str(tmp_path / "out.json")])
+    runs = {run["policy"]: run for run in report["runs"]}
+    assert set(runs) == {"write_through", "selective"}
+    for run in runs.values():
+        assert run["local_hits"] <= run["belady_hits"] <= report["infinite_hits"]
+        assert run["dropped"] == 0
+    assert runs["selective"]["disk_writes"] < runs["write_through"]["disk_writes"]
+    assert json.loads((tmp_path / "out.json").read_text())["requests"] == len(lines)

@@ -241,10 +241,34 @@ def _on_off(value: Any) -> Any:
 
 
 class MoverConfig(_Strict):
-    policy: Literal["write_through", "write_back"] = Field(
+    policy: Literal["write_through", "write_back", "selective"] = Field(
         default="write_through",
         description="write_through: every stored block goes to every tier; write_back: to the lower tiers "
-        "when the CPU tier evicts it",
+        "when the CPU tier evicts it; selective: the CPU tier is a segmented LRU (a hit protects a block "
+        "from scans) and an evicted block goes only to the tiers whose admission rule it passes (the "
+        "selective_* settings)",
+    )
+    selective_protected_share: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="selective: the most of the CPU tier's slots that blocks hit in it may hold, safe from "
+        "eviction while blocks not hit since they came in remain",
+    )
+    selective_disk_min_requests: int = Field(
+        default=2,
+        ge=1,
+        le=15,
+        description="selective: once the disk is full, a block the CPU tier evicts is written to it only if "
+        "this many requests asked for it lately and it is no less asked for than the disk's least recently "
+        "used block (until it is full, every evicted block is written)",
+    )
+    selective_s3_min_requests: int = Field(
+        default=2,
+        ge=1,
+        le=15,
+        description="selective: a block the CPU tier evicts is written to S3 only if this many requests "
+        "asked for it lately",
     )
     queue_depth: int = Field(
         default=1024,

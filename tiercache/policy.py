@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
+from tiercache.admission import Admission
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuTierFull, SlotAllocator
 
@@ -60,13 +61,29 @@ class TierWatcher(Protocol):
 
 
 class BlockPolicy:
-    def __init__(self, num_slots: int, slot_bytes: int, *, write_back: bool):
+    """`admission` (the `selective` mover policy, tiercache/admission.py): the CPU tier
+    is a segmented LRU, and an evicted block is written down only to the tiers that
+    admit it; it implies write-back (nothing goes down when it is stored)."""
+
+    def __init__(
+        self, num_slots: int, slot_bytes: int, *, write_back: bool, admission: Admission | None = None
+    ):
         self.slots: SlotAllocator[bytes] = SlotAllocator(num_slots, slot_bytes)
-        self.write_back = write_back
+        self.admission = admission
+        self.write_back = write_back or admission is not None
         self.watcher: TierWatcher | None = None
         self.ready: set[bytes] = set()  # blocks whose CPU slot is filled
-        self.on_disk: OrderedDict[bytes, None] = OrderedDict()  # blocks the node's disk holds
+        # Blocks the node's disk holds, least recently stored or staged first (the
+        # disk's own LRU order, as near as this node sees it).
+        self.on_disk: OrderedDict[bytes, None] = OrderedDict()
         self._write_backs: list[tuple[bytes, int]] = []
+        # Victims written to some lower tiers only, and which (absent: every one).
+        self._write_back_tiers: dict[bytes, tuple[str, ...]] = {}
+
+    def requested(self, blocks: list[bytes]) -> None:
+        """A request's blocks, counted once when it is first looked up."""
+        if self.admission is not None:
+            self.admission.requested(blocks)
 
     # -- where a block is -------------------------------------------------------------
     def local_tier(self, block: bytes) -> str | None:
@@ -89,6 +106,8 @@ class BlockPolicy:
         if block not in self.ready:
             self.slots.unpin(slot)
             return None
+        if self.admission is not None:
+            self.slots.touch(self.admission.hit(block))
         return slot
 
     def claim(self, block: bytes) -> int:
@@ -96,16 +115,36 @@ class BlockPolicy:
         tier). Evicts the least recently used unpinned block; under write-back a victim
         the disk does not hold yet is queued to be written down before the slot is
         refilled (`take_write_backs`). Raises CpuTierFull when every slot is pinned."""
-        slot, evicted = self.slots.allocate(block)
+        admission = self.admission
+        if block in self.on_disk:  # a staging from disk: the disk read it just now
+            self.on_disk.move_to_end(block)
+        if admission is None:
+            slot, evicted = self.slots.allocate(block)
+        else:
+            slot, evicted = self.slots.allocate(block, admission.on_probation)
         if evicted is not None:
             self._unready(evicted)
+            if admission is not None:
+                admission.left_cpu(evicted)
             if self.write_back and evicted not in self.on_disk:
-                self._write_backs.append((evicted, slot))
+                if admission is None:
+                    self._write_backs.append((evicted, slot))
+                else:
+                    disk_victim = next(iter(self.on_disk), None)
+                    tiers = admission.down_tiers(evicted, len(self.on_disk), disk_victim)
+                    if tiers:
+                        self._write_backs.append((evicted, slot))
+                        self._write_back_tiers[evicted] = tiers
         return slot
 
     def take_write_backs(self) -> list[tuple[bytes, int]]:
         victims, self._write_backs = self._write_backs, []
         return victims
+
+    def take_write_back_tiers(self) -> dict[bytes, tuple[str, ...]]:
+        """The tiers of the victims `take_write_backs` gave that go to some only."""
+        tiers, self._write_back_tiers = self._write_back_tiers, {}
+        return tiers
 
     def release(self, slot: int) -> None:
         """One copy into or out of `slot` is over."""
@@ -138,6 +177,8 @@ class BlockPolicy:
         if self.holds(block, slot):
             self._unready(block)
             self.slots.remove(block)
+            if self.admission is not None:
+                self.admission.left_cpu(block)
 
     def _unready(self, block: bytes) -> None:
         if block in self.ready:
@@ -176,3 +217,6 @@ class BlockPolicy:
         self.slots.clear()
         self.on_disk.clear()
         self._write_backs = []
+        self._write_back_tiers = {}
+        if self.admission is not None:
+            self.admission.clear()

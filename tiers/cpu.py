@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 import torch
@@ -61,9 +61,11 @@ class SlotAllocator(Generic[K]):
                 if key in self._slot_of:
                     self._slot_of.move_to_end(key)
 
-    def allocate(self, key: K) -> tuple[int, K | None]:
-        """A pinned slot for `key`, and the key evicted to make room (or None).
-        The caller fills the slot, then unpins it."""
+    def allocate(self, key: K, first_choice: Callable[[K], bool] | None = None) -> tuple[int, K | None]:
+        """A pinned slot for `key`, and the key evicted to make room (or None): the
+        least recently used unpinned key, or where `first_choice` is given, the least
+        recently used unpinned one it accepts if there is one (a segmented LRU's
+        probation). The caller fills the slot, then unpins it."""
         with self._lock:
             if key in self._slot_of:
                 raise KeyError(f"{key} already holds a slot")
@@ -71,7 +73,10 @@ class SlotAllocator(Generic[K]):
             if self._free:
                 slot = self._free.pop()
             else:
-                evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
+                if first_choice is not None:
+                    evicted = self._first_accepted(first_choice)
+                if evicted is None:
+                    evicted = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
                 if evicted is None:
                     raise CpuTierFull(f"all {self.num_slots} CPU slots are in use by transfers")
                 slot = self._slot_of.pop(evicted)
@@ -80,6 +85,25 @@ class SlotAllocator(Generic[K]):
             self._pins[slot] = 1
             self._publish()
             return slot, evicted
+
+    def _first_accepted(self, first_choice: Callable[[K], bool]) -> K | None:
+        """(Under the lock.) The least recently used unpinned key `first_choice`
+        accepts. The unpinned keys it passes over move to the most recent end, in their
+        order (a second chance, as a clock gives), so the next search does not walk
+        past them again: a search costs, over time, about one key per eviction."""
+        passed: list[K] = []
+        found = None
+        for key, slot in self._slot_of.items():
+            if slot in self._pins:
+                continue
+            if first_choice(key):
+                found = key
+                break
+            passed.append(key)
+        if found is not None:
+            for key in passed:
+                self._slot_of.move_to_end(key)
+        return found
 
     def pin(self, key: K) -> int | None:
         """Pin `key`'s slot for a read (marks it recently used); None if absent."""
