@@ -50,7 +50,8 @@ _KILLED_WRITER = textwrap.dedent(
     from tiercache.tiers.disk.index import RootIndex
     from tiercache.tiers.format import ObjectHeader, checksum
 
-    root, digest, capacity, count, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    root, digest, how = sys.argv[1], sys.argv[2], sys.argv[5]
+    capacity, count = int(sys.argv[3]), int(sys.argv[4])
 
     def put(tier, i):
         data = np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8).tobytes()
