@@ -7,7 +7,6 @@ and a block counts as cached only once every rank has reported it."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.index.block_hashing import BlockHashing
-from tiercache.index.keys import KVSpec
+from tiercache.index.keys import KVSpec, block_key
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
@@ -50,6 +49,7 @@ from .metadata import (
     TierCacheMetadata,
     TierCacheWorkerMetadata,
 )
+from .weights_fingerprint import loaded_weights_epoch
 
 if TYPE_CHECKING:
     # For annotations only: the scheduler half is handed these by the connector.
@@ -202,6 +202,8 @@ class TierCacheScheduler:
         for warning in unbounded_warnings(config):
             log.warning("tiercache: %s", warning)
         self.hashing = hashing
+        # Set by reset_cache (new weights): every block is named anew under it.
+        self._weights_epoch: bytes | None = None
         # Watching before the disk scan: what the disk holds from earlier runs is
         # published too.
         self.tier_events = self._watch_tiers(kv_events)
@@ -222,8 +224,6 @@ class TierCacheScheduler:
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
         self.ledger = ReportLedger(worker_count, self.disk_reporters)
         self.load_failures = RecentLoadFailures()
-        # Set by reset_cache (new weights): every block is named anew under it.
-        self._weights_epoch: bytes | None = None
         # Set by a reset vLLM's own prefix cache refused: see reset_cache.
         self._stores_held = False
         self.stats: Counter = Counter()
@@ -260,6 +260,7 @@ class TierCacheScheduler:
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
             groups=tuple(rule.encode() for rule in self.group_rules) if self.hybrid else (),
+            weights_epoch=self._weights_epoch.hex() if self._weights_epoch is not None else "",
         )
         try:
             index.register(deployment)
@@ -312,9 +313,7 @@ class TierCacheScheduler:
     def _block_key(self, block_hash: BlockHash) -> bytes:
         """The name a block is cached under: vLLM's hash, keyed by the weights epoch
         once vLLM has asked for a reset."""
-        if self._weights_epoch is None:
-            return bytes(block_hash)
-        return hashlib.blake2b(bytes(block_hash), key=self._weights_epoch, digest_size=32).digest()
+        return block_key(bytes(block_hash), self._weights_epoch)
 
     def _block_keys(self, request: Request) -> list:
         if self._weights_epoch is None:
@@ -325,10 +324,13 @@ class TierCacheScheduler:
         """vLLM's /reset_prefix_cache, which weight-update and RL flows call after
         loading new weights: from now on no tier may serve a block computed before.
         The weights may have changed in memory only, so no digest of the files would
-        notice; instead every block is named anew under a random epoch, here and in
-        every object written from now on. What this node held is forgotten at once;
-        the old objects are never looked up again, the disk tier's LRU and S3's GC
-        reclaim them. Transfers planned before finish under the keys they were planned
+        notice; instead every block is named anew under a weights epoch, a fingerprint
+        of the weights the workers hold now (connector/weights_fingerprint.py), here,
+        in every object written from now on and in the deployment the lookup API
+        reads. What this node held is forgotten at once; the objects of other engines
+        holding the same weights are found again (the disk scanned, S3 looked up); the
+        old objects are never looked up again, the disk tier's LRU and S3's GC reclaim
+        them. Transfers planned before finish under the keys they were planned
         with, over KV computed before (a step's forward ends before vLLM runs a call
         between steps), and their slots are freed when they end.
 
@@ -338,7 +340,7 @@ class TierCacheScheduler:
         refused to clear its own prefix cache (requests held blocks), so a new request
         may start from its blocks from before: nothing is stored until a reset vLLM
         does perform."""
-        self._weights_epoch = secrets.token_bytes(16)
+        self._weights_epoch = loaded_weights_epoch() or secrets.token_bytes(16)
         self.policy.clear()
         if self.tier_events is not None:
             self.tier_events.reset()
@@ -346,6 +348,12 @@ class TierCacheScheduler:
         self._lookups.clear()
         self._requests.clear()
         self._stores_held = not vllm_cache_cleared
+        # Other engines given the same weights stored under this epoch too: what the
+        # disk holds of it, and the lookups for it, count from now on.
+        if self.config.disk is not None:
+            self._scan_disk()
+        if self.index is not None:
+            self._register(self.index)
         if self._stores_held:
             log.warning(
                 "tiercache: cache reset (new weights epoch), but vLLM kept its prefix cache "
