@@ -14,11 +14,10 @@ worker for a fingerprint of its shard (`collective_rpc`, the call vLLM's own
 Where no executor is found (vLLM called otherwise) the epoch is random: this engine
 then shares nothing from before or with other engines, which is never wrong.
 
-Each worker checksums every byte of every parameter where it lives (on the GPU for a
-GPU engine): a plain and a position-weighted sum of the parameter's 32-bit words, which
-any update that trains the weights changes. It reads the weights once at memory bandwidth,
-in passes of CHUNK_WORDS words (a temporary of 2 x 8 x CHUNK_WORDS bytes); nothing is
-copied to the host but two numbers per parameter."""
+Each worker checksums every byte of every parameter where it lives: xxh3 over a host
+tensor's bytes (vLLM's CPU build); on a GPU, a plain and a position-weighted sum of
+the parameter's 32-bit words, in passes of CHUNK_WORDS words, so that nothing but two
+numbers per parameter is copied to the host."""
 
 from __future__ import annotations
 
@@ -29,6 +28,8 @@ import sys
 from types import FrameType
 from typing import Any
 
+import xxhash
+
 log = logging.getLogger("tiercache.connector")
 
 CHUNK_WORDS = 1 << 24  # 64 MiB of weights per pass
@@ -36,21 +37,34 @@ _RAMP_MODULUS = 65521  # the largest prime under 2**16: the position weights sta
 _FRAMES_SEARCHED = 16  # how far up the call stack the engine core is looked for
 
 
-def tensor_checksum(tensor: Any) -> tuple[int, int]:
-    """Two sums over `tensor`'s bytes as 32-bit words: plain, and weighted by each
-    word's position. A trailing part shorter than a word is summed byte by byte."""
+def tensor_checksum(tensor: Any) -> str:
+    """A checksum of every byte of `tensor`, computed where it lives: xxh3-128 of a
+    host tensor's bytes (no copy); on a device, two sums of its 32-bit words, plain
+    and position-weighted, so that only two numbers leave the device."""
     import torch
 
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        return xxhash.xxh3_128_hexdigest(data.numpy())
+    return "%x-%x" % device_sums(data)
+
+
+def device_sums(data: Any) -> tuple[int, int]:
+    """Two sums over a byte tensor as 32-bit words, reduced where it lives: plain, and
+    weighted by each word's position (its place in its pass, times the pass's number).
+    A trailing part shorter than a word is summed byte by byte."""
+    import torch
+
     whole = data.numel() // 4 * 4
     words = data[:whole].view(torch.int32)
+    ramp = torch.arange(min(words.numel(), CHUNK_WORDS), dtype=torch.int64, device=data.device)
+    ramp = ramp % _RAMP_MODULUS + 1
     plain = torch.zeros((), dtype=torch.int64, device=data.device)
     weighted = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, words.numel(), CHUNK_WORDS):
+    for number, start in enumerate(range(0, words.numel(), CHUNK_WORDS), 1):
         chunk = words[start : start + CHUNK_WORDS].to(torch.int64)
-        ramp = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=data.device)
         plain += chunk.sum()
-        weighted += (chunk * (ramp % _RAMP_MODULUS + 1)).sum()  # int64 wraps: fine for a checksum
+        weighted += (chunk * ramp[: chunk.numel()]).sum() * number  # int64 wraps: fine for a checksum
     if whole < data.numel():
         plain += data[whole:].to(torch.int64).sum()
     return int(plain.item()), int(weighted.item())
@@ -59,7 +73,7 @@ def tensor_checksum(tensor: Any) -> tuple[int, int]:
 def model_fingerprint(model: Any) -> str:
     """A digest of every parameter's name, dtype, shape and checksum."""
     entries = [
-        [name, str(param.dtype), list(param.shape), *tensor_checksum(param)]
+        [name, str(param.dtype), list(param.shape), tensor_checksum(param)]
         for name, param in model.named_parameters()
     ]
     return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()

@@ -11,7 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import tiercache.connector.weights_fingerprint as fingerprint  # noqa: E402
 from tiercache.connector.weights_fingerprint import (  # noqa: E402
+    device_sums,
     loaded_weights_epoch,
     model_fingerprint,
     tensor_checksum,
@@ -74,3 +76,19 @@ def test_one_changed_or_moved_value_changes_the_fingerprint():
 
 def test_without_an_engine_core_on_the_call_stack_there_is_no_fingerprint():
     assert loaded_weights_epoch() is None  # the scheduler then takes a random epoch
+
+
+def test_the_device_checksum_sees_a_changed_or_moved_value_in_any_pass(monkeypatch):
+    """What a GPU worker computes (two sums reduced on the device), run on the host
+    over passes of 1000 words."""
+    monkeypatch.setattr(fingerprint, "CHUNK_WORDS", 1000)
+    words = torch.randint(-(2**31), 2**31 - 1, (4321,), dtype=torch.int32)
+    data = lambda: words.view(torch.uint8)  # noqa: E731
+    before = device_sums(data())
+    assert device_sums(data()) == before
+    words[3000] += 1  # in the fourth pass
+    assert device_sums(data()) != before
+    words[3000] -= 1
+    words[[10, 2010]] = words[[2010, 10]]  # the same place in two passes
+    assert device_sums(data()) != before
+    assert device_sums(torch.arange(7, dtype=torch.uint8)) != device_sums(torch.arange(6, dtype=torch.uint8))
