@@ -56,6 +56,7 @@ from .metadata import (
 )
 from .scheduler_state import S3_LOOKUP_REUSE_SECONDS, Lookup, RequestState
 from .store_planning import StorePlanning
+from .weights_fingerprint import loaded_weights_epoch
 
 if TYPE_CHECKING:
     # For annotations only: the scheduler half is handed these by the connector.
@@ -152,6 +153,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         for warning in unbounded_warnings(config):
             log.warning("tiercache: %s", warning)
         self.hashing = hashing
+        # Set by reset_cache (new weights): every block is named anew under it.
+        self._weights_epoch: bytes | None = None
         # Watching before the disk scan: what the disk holds from earlier runs is
         # published too.
         self.tier_events = self._watch_tiers(kv_events)
@@ -172,8 +175,6 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         self._hit_tiers: dict[str, Counter] = {}  # this step's planned hits: tier -> blocks
         self.ledger = ReportLedger(worker_count, self.disk_reporters)
         self.load_failures = RecentLoadFailures()
-        # Set by reset_cache (new weights): every block is named anew under it.
-        self._weights_epoch: bytes | None = None
         # Set by a reset vLLM's own prefix cache refused: see reset_cache.
         self._stores_held = False
         self.stats: Counter = Counter()
@@ -222,6 +223,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             hash_algo=self.hashing.algorithm if self.hashing else "",
             hash_seed=self.hashing.seed if self.hashing else None,
             groups=tuple(rule.encode() for rule in self.group_rules) if self.hybrid else (),
+            weights_epoch=self._weights_epoch.hex() if self._weights_epoch is not None else "",
         )
         try:
             index.register(deployment)
@@ -268,10 +270,13 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         """vLLM's /reset_prefix_cache, which weight-update and RL flows call after
         loading new weights: from now on no tier may serve a block computed before.
         The weights may have changed in memory only, so no digest of the files would
-        notice; instead every block is named anew under a random epoch, here and in
-        every object written from now on. What this node held is forgotten at once;
-        the old objects are never looked up again, the disk tier's LRU and S3's GC
-        reclaim them. Transfers planned before finish under the keys they were planned
+        notice; instead every block is named anew under a weights epoch, a fingerprint
+        of the weights the workers hold now (connector/weights_fingerprint.py), here,
+        in every object written from now on and in the deployment the lookup API
+        reads. What this node held is forgotten at once; the objects of other engines
+        holding the same weights are found again (the disk scanned, S3 looked up); the
+        old objects are never looked up again, the disk tier's LRU and S3's GC reclaim
+        them. Transfers planned before finish under the keys they were planned
         with, over KV computed before (a step's forward ends before vLLM runs a call
         between steps), and their slots are freed when they end.
 
@@ -281,7 +286,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         refused to clear its own prefix cache (requests held blocks), so a new request
         may start from its blocks from before: nothing is stored until a reset vLLM
         does perform."""
-        self._weights_epoch = secrets.token_bytes(16)
+        self._weights_epoch = loaded_weights_epoch() or secrets.token_bytes(16)
         self.policy.clear()
         if self.tier_events is not None:
             self.tier_events.reset()
@@ -289,6 +294,12 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         self._lookups.clear()
         self._requests.clear()
         self._stores_held = not vllm_cache_cleared
+        # Other engines given the same weights stored under this epoch too: what the
+        # disk holds of it, and the lookups for it, count from now on.
+        if self.config.disk is not None:
+            self._scan_disk()
+        if self.index is not None:
+            self._register(self.index)
         if self._stores_held:
             log.warning(
                 "tiercache: cache reset (new weights epoch), but vLLM kept its prefix cache "

@@ -4,11 +4,11 @@ blocks are named and loaded."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from tiercache.config import TierCacheConfig
+from tiercache.index.keys import block_key
 from tiercache.index.redis_index import RedisIndex
 from tiercache.policy import BlockPolicy
 from tiercache.tiers import CPU, S3
@@ -72,9 +72,7 @@ class SchedulerBase:
     def _block_key(self, block_hash: BlockHash) -> bytes:
         """The name a block is cached under: vLLM's hash, keyed by the weights epoch
         once vLLM has asked for a reset."""
-        if self._weights_epoch is None:
-            return bytes(block_hash)
-        return hashlib.blake2b(bytes(block_hash), key=self._weights_epoch, digest_size=32).digest()
+        return block_key(bytes(block_hash), self._weights_epoch)
 
     def _block_keys(self, request: Request) -> list:
         if self._weights_epoch is None:

@@ -151,10 +151,15 @@ def kv_specs(vllm_config, kv_cache_config, config: TierCacheConfig) -> list[KVSp
     # MLA keeps one latent cache that every rank holds whole: store it once.
     is_mla = bool(getattr(model, "use_mla", False))
     ranks = 1 if is_mla else tp_size
-    # A pinned revision names the weights; without one, their files do.
+    # A pinned revision names the weights; without one, their files do. Dummy weights
+    # (vLLM's load_format=dummy: seeded random values) are neither: they are named
+    # as such, so they never share a block with the real weights of the folder.
+    load_config = getattr(vllm_config, "load_config", None)
     weights = ""
-    if not config.model_revision:
-        download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    if str(getattr(load_config, "load_format", "auto")).lower().endswith("dummy"):
+        weights = "load_format=dummy"
+    elif not config.model_revision:
+        download_dir = getattr(load_config, "download_dir", None)
         weights = _weights_identity(str(model.model), model.revision, download_dir)
     return [
         KVSpec(

@@ -31,7 +31,7 @@ STAGE_0 = ["model.layers.0.self_attn.attn"]
 STAGE_1 = ["model.layers.1.self_attn.attn"]
 
 
-def vllm_config(model: str, *, quantization=None, revision=None, tp=1, pp=1):
+def vllm_config(model: str, *, quantization=None, revision=None, tp=1, pp=1, load_format="auto"):
     return SimpleNamespace(
         model_config=SimpleNamespace(
             model=model,
@@ -44,7 +44,7 @@ def vllm_config(model: str, *, quantization=None, revision=None, tp=1, pp=1):
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK, kv_cache_dtype_skip_layers=[]),
-        load_config=SimpleNamespace(download_dir=None),
+        load_config=SimpleNamespace(download_dir=None, load_format=load_format),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_load_failure_policy="recompute"),
     )
 
@@ -189,6 +189,17 @@ def test_rewritten_weights_change_the_key(model_dir, size):
     later = time.time() + 60
     os.utime(weights, (later, later))
     assert digests(vllm_config(str(model_dir))) != before
+
+
+def test_dummy_weights_never_share_keys_with_the_real_weights_of_the_folder(model_dir):
+    """vLLM's load_format=dummy fills the model with seeded random values: an engine
+    so started on a real model folder named its blocks as the real weights' engines."""
+    model = str(model_dir)
+    for pinned in ({}, {"model_revision": "v7"}):
+        real = digests(vllm_config(model), **pinned)
+        dummy = digests(vllm_config(model, load_format="dummy"), **pinned)
+        assert dummy != real
+        assert digests(vllm_config(model, load_format="dummy"), **pinned) == dummy  # dummy engines agree
 
 
 def test_a_pinned_revision_overrides_the_fingerprint(model_dir):

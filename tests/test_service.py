@@ -18,6 +18,7 @@ from tiercache.config import build_config
 from tiercache.connector.driver import ConnectorDriver
 from tiercache.engine import ObjectShape, TierEngine
 from tiercache.index.block_hashing import BlockHashing
+from tiercache.index.keys import block_key
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
 from tiercache.ops.service import MAX_LOOKUP_HASHES, collect_stats, create_app
@@ -55,12 +56,14 @@ def blocks(n: int) -> list[bytes]:
     return [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in range(n)]
 
 
-def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama", tiers=("disk", "s3")):
-    """Write `hashes` through the engine for every TP rank of a fresh deployment."""
-    model_digest = digest()
-    ranks = tuple(digest() for _ in range(tp))
+def store(config, hashes, *, namespace=None, tp=1, model="tiny-llama", tiers=("disk", "s3"), into=None):
+    """Write `hashes` through the engine for every TP rank of a fresh deployment (of
+    deployment `into`, given one)."""
+    model_digest = into.model_digest if into else digest()
+    ranks = into.rank_digests if into else tuple(digest() for _ in range(tp))
     object_bytes = ObjectShape(model_digest, ranks[0], SLOT).object_bytes
-    deployment = Deployment(model_digest, namespace or config.namespace, model, tp, ranks, object_bytes)
+    namespace = namespace or config.namespace
+    deployment = into or Deployment(model_digest, namespace, model, tp, ranks, object_bytes)
     for rank in ranks:
         s3 = S3Tier(config.s3, client=_client(config.s3)) if config.s3 else None
         engine = TierEngine(config, ObjectShape(model_digest, rank, SLOT), CpuBuffer(1, SLOT), s3=s3)
@@ -869,3 +872,20 @@ def test_lookup_of_a_hybrid_model_ends_where_every_kv_cache_group_can_serve(stac
 
     (hit,) = [d for d in response.json()["deployments"] if d["model_digest"] == model_digest]
     assert hit["prefix_blocks"] == 4 and hit["tiers"] == {"s3": 4, "disk": 4}
+
+
+def test_lookup_names_blocks_under_the_weights_epoch_a_deployment_registered(stack, redis):
+    """After new weights in place and a reset, engines name blocks under a weights
+    epoch (keys.block_key) and register it. The lookup hashed without it: it reported
+    the objects from before the reset as hits and never saw the ones stored since."""
+    config, client = stack
+    prompt = blocks(4)
+    epoch = bytes(range(16))
+    dep = store(config, prompt)  # all four stored under vLLM's own hashes, before the reset
+    store(config, [block_key(h, epoch) for h in prompt[:3]], into=dep)  # three since
+    register_hashing(redis, dep, weights_epoch=epoch.hex())
+    body = client.post(
+        "/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
+    ).json()
+    assert body["prefix_blocks"] == 3
+    assert body["deployments"][0]["tiers"] == {"s3": 3, "disk": 3}

@@ -188,7 +188,17 @@ def e2e(tmp_path_factory):
         },
         workdir / "runs",
     )
-    return plain["results"], cached["results"]
+    # Another engine of the fleet, on the same disk root, started on the same
+    # weights: reset on them, then given the first update and reset again.
+    fleet = run_engine(
+        {
+            "model": model,
+            "kv_transfer_config": connector_config(extra),
+            "prompts": [{"reset_caches": {}}, ask, UPDATE, {"reset_caches": {}}, ask],
+        },
+        workdir / "runs",
+    )
+    return plain["results"], cached["results"], fleet["results"]
 
 
 @pytest.mark.vllm
@@ -196,7 +206,7 @@ def e2e(tmp_path_factory):
 def test_after_new_weights_in_place_and_a_reset_no_tier_serves_the_old_kv(e2e):
     from tiercache.ops.vllm_runner import assert_same_output
 
-    plain, cached = e2e
+    plain, cached, _ = e2e
     before, once, twice = plain
     # The update changes the answer by more than the tolerance: the test can tell.
     shared = set(before["top_logprobs"]) & set(once["top_logprobs"])
@@ -211,3 +221,22 @@ def test_after_new_weights_in_place_and_a_reset_no_tier_serves_the_old_kv(e2e):
     assert_same_output(hit_after, once)
     assert after_external["num_cached_tokens"] == 0
     assert_same_output(after_external, twice)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engines_given_the_same_update_share_its_blocks_and_no_other_engine_does(e2e):
+    """Each reset named blocks under a random epoch of its own: after the same
+    in-place update and reset on every node of a fleet (an RL step), no two nodes
+    shared a block again. The epoch is now a fingerprint of the weights the workers
+    hold (connector/weights_fingerprint.py): the second engine, given the update the
+    first one got, loads what the first one stored after it from the disk tier and
+    answers as a plain engine given that update; reset on the original weights, it
+    loads none of the updated blocks."""
+    from tiercache.ops.vllm_runner import assert_same_output
+
+    (before, once, _), _, (original, updated) = e2e
+    assert original["num_cached_tokens"] == 0
+    assert_same_output(original, before)
+    assert updated["num_cached_tokens"] == 9 * BLOCK
+    assert_same_output(updated, once)

@@ -98,6 +98,15 @@ def weights_fingerprint(directory: str | Path) -> str | None:
     return _digest({"config": hashlib.sha256(config).hexdigest(), "files": entries})
 
 
+def block_key(block_hash: bytes, weights_epoch: bytes | None) -> bytes:
+    """The name a block is cached under: vLLM's hash of its tokens, keyed by the
+    weights epoch once the engine's weights changed in place (a prefix-cache reset):
+    the scheduler, and the service's lookups for it, name blocks alike."""
+    if weights_epoch is None:
+        return block_hash
+    return hashlib.blake2b(block_hash, key=weights_epoch, digest_size=32).digest()
+
+
 def split_key(key: str) -> tuple[str, str]:
     if not HEX_KEY.fullmatch(key):  # fullmatch: "$" alone would let a trailing newline in
         raise ValueError(f"not a tiercache object key: {key!r}")

@@ -224,6 +224,9 @@ class Deployment:
     # A hybrid model's KV cache groups, each as the rule of what a hit needs of it
     # (tiercache/index/kv_groups.py); empty for a model with one full-attention group.
     groups: tuple[str, ...] = ()
+    # After new weights in place, the epoch its blocks are named under (hex; see
+    # keys.block_key): the service keys the hashes it looks up with it. Empty before.
+    weights_epoch: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

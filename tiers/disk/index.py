@@ -11,6 +11,15 @@ budget one budget, however many engines fill it.
     <root>/.tiercache/index.sqlite3     the index (and its -wal and -shm files)
     <root>/.tiercache/users/<digest>    a lock file per digest: every tier using the
                                         digest holds a shared flock on it while it runs
+    <root>/.tiercache/tiers/<name>      a lock file per running tier, held exclusively:
+                                        what it left half done is swept once it is free
+
+Besides the objects, the index counts the two kinds of file that are on disk but
+not objects: files evicted a moment ago that still linger for loads planned before
+(one allowance for the root, whoever evicted them) and writes under way (from the
+first byte of the temporary file to the commit that counts the object). Both rows
+outlive a writer killed with `kill -9`: whoever next sweeps the root finds its tier
+lock free and removes what it left.
 
 A digest whose lock no one holds is unused (new weights, another TP size, keys of an
 older tiercache): its objects are evicted before anyone's, and its folder removed once
@@ -39,7 +48,8 @@ BUSY_SECONDS = 5.0
 REMOVALS_KEPT = 100_000
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+TIERS_DIR = "tiers"
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS objects (
@@ -65,6 +75,23 @@ _SCHEMA = (
         seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, digest TEXT NOT NULL, remover TEXT NOT NULL
     )""",
     "CREATE INDEX IF NOT EXISTS removals_by_digest ON removals (digest, seq)",
+    # Files of evicted objects not unlinked yet, oldest first (their bytes in `totals`).
+    """CREATE TABLE IF NOT EXISTS lingering (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE, digest TEXT NOT NULL,
+        size INTEGER NOT NULL, evictor TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, bytes INTEGER NOT NULL) WITHOUT ROWID""",
+    "INSERT OR IGNORE INTO totals VALUES ('lingering', 0)",
+    """CREATE TRIGGER IF NOT EXISTS lingering_in AFTER INSERT ON lingering BEGIN
+        UPDATE totals SET bytes = bytes + NEW.size WHERE name = 'lingering';
+    END""",
+    """CREATE TRIGGER IF NOT EXISTS lingering_out AFTER DELETE ON lingering BEGIN
+        UPDATE totals SET bytes = bytes - OLD.size WHERE name = 'lingering';
+    END""",
+    # Writes under way: a temporary file, the object it becomes, and the tier writing it.
+    """CREATE TABLE IF NOT EXISTS writes (
+        tmp TEXT PRIMARY KEY, key TEXT NOT NULL, size INTEGER NOT NULL, writer TEXT NOT NULL
+    ) WITHOUT ROWID""",
 )
 
 
@@ -76,7 +103,8 @@ class RootIndex:
         self.root = root
         self.folder = root / INDEX_DIR
         self.users = self.folder / USERS_DIR
-        for folder in (self.folder, self.users):
+        self.tiers = self.folder / TIERS_DIR
+        for folder in (self.folder, self.users, self.tiers):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(folder, DIR_MODE)
             os.chmod(folder, DIR_MODE)
@@ -148,8 +176,22 @@ class RootIndex:
         return bool(self._read("SELECT 1 FROM objects WHERE key = ?", key))
 
     def total(self) -> int:
-        """Bytes of every object under the root."""
-        return int(self._read("SELECT coalesce(sum(bytes), 0) FROM digests")[0][0])
+        """Bytes of every object under the root and of the writes under way: what the
+        capacity bounds."""
+        return int(
+            self._read(
+                "SELECT (SELECT coalesce(sum(bytes), 0) FROM digests)"
+                " + (SELECT coalesce(sum(size), 0) FROM writes)"
+            )[0][0]
+        )
+
+    def lingering_bytes(self) -> int:
+        """Bytes of the evicted files not unlinked yet, whoever evicted them."""
+        return int(self._read("SELECT coalesce(sum(bytes), 0) FROM totals WHERE name = 'lingering'")[0][0])
+
+    def on_disk(self) -> int:
+        """Every byte the index knows is on disk: objects, writes, lingering files."""
+        return self.total() + self.lingering_bytes()
 
     def usage(self, digest: str | None) -> tuple[int, int]:
         """(objects, bytes) of `digest`, or of the whole root for None."""
@@ -223,6 +265,7 @@ class RootIndex:
             (remover, digest),
         )
         self._db.execute("DELETE FROM objects WHERE digest = ?", (digest,))
+        self.forget_lingering(digest)
 
     def removed_since(self, seq: int, digest: str | None, remover: str) -> tuple[int, list[str]]:
         """Keys of `digest` (of any, for None) removed after log entry `seq` by anyone
@@ -242,6 +285,104 @@ class RootIndex:
 
     def last_removal(self) -> int:
         return int(self._read("SELECT coalesce(max(seq), 0) FROM removals")[0][0])
+
+    # -- lingering files (inside write()) -------------------------------------------
+    def linger(self, key: str, digest: str, size: int, evictor: str) -> None:
+        """`key` was evicted but its file stays, for now."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO lingering (key, digest, size, evictor) VALUES (?, ?, ?, ?)",
+            (key, digest, size, evictor),
+        )
+
+    def stop_lingering(self, key: str) -> None:
+        """`key`'s file is replaced or removed otherwise."""
+        self._db.execute("DELETE FROM lingering WHERE key = ?", (key,))
+
+    def oldest_lingering(self, evictor: str | None = None) -> tuple[str, int] | None:
+        """The longest lingering file (of `evictor`'s evictions, given one), forgotten:
+        (key, size), or None when there is none."""
+        if evictor is None:
+            row = self._db.execute(
+                "DELETE FROM lingering WHERE seq = (SELECT min(seq) FROM lingering) RETURNING key, size"
+            ).fetchone()
+        else:
+            row = self._db.execute(
+                "DELETE FROM lingering WHERE seq = (SELECT min(seq) FROM lingering WHERE evictor = ?)"
+                " RETURNING key, size",
+                (evictor,),
+            ).fetchone()
+        return (row[0], int(row[1])) if row else None
+
+    def is_lingering(self, key: str) -> bool:
+        return bool(self._db.execute("SELECT 1 FROM lingering WHERE key = ?", (key,)).fetchone())
+
+    def lingering_keys(self) -> list[str]:
+        return [key for (key,) in self._db.execute("SELECT key FROM lingering")]
+
+    def forget_lingering(self, digest: str) -> None:
+        """(Its folder is being removed.)"""
+        self._db.execute("DELETE FROM lingering WHERE digest = ?", (digest,))
+
+    # -- writes under way (inside write()) ------------------------------------------
+    def start_write(self, tmp: str, key: str, size: int, writer: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?)", (tmp, key, size, writer))
+
+    def end_write(self, tmp: str) -> None:
+        self._db.execute("DELETE FROM writes WHERE tmp = ?", (tmp,))
+
+    def writers(self) -> list[str]:
+        """The tiers with writes under way, or lingering files they evicted."""
+        return [
+            name
+            for (name,) in self._db.execute(
+                "SELECT writer FROM writes UNION SELECT evictor FROM lingering"
+            ).fetchall()
+        ]
+
+    def writes_of(self, writer: str) -> list[tuple[str, str]]:
+        """(temporary path, key) of each write under way by `writer`."""
+        return [
+            (tmp, key)
+            for tmp, key in self._db.execute("SELECT tmp, key FROM writes WHERE writer = ?", (writer,))
+        ]
+
+    # -- running tiers ------------------------------------------------------------
+    def hold_tier(self, name: str) -> int:
+        """Say tier `name` runs as long as the returned descriptor stays open."""
+        fd = os.open(self.tiers / name, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def tier_alive(self, name: str) -> bool:
+        """Whether tier `name` runs, in any process or container on this kernel."""
+        try:
+            fd = os.open(self.tiers / name, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        finally:
+            os.close(fd)
+        return False
+
+    def tier_names(self) -> list[str]:
+        """The names with a tier lock file (running tiers, and dead ones not swept)."""
+        try:
+            return sorted(os.listdir(self.tiers))
+        except OSError:
+            return []
+
+    def forget_tier(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tiers / name)
 
     # -- digests in use -----------------------------------------------------------
     def hold_digest(self, digest: str) -> int:

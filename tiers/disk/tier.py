@@ -19,7 +19,6 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from stat import S_IMODE
@@ -42,7 +41,8 @@ from tiercache.tiers.format import (
 # How much the files of objects evicted a moment ago may add to the capacity, as a
 # share of it, before they are unlinked (oldest first): the scheduler plans a disk load from what
 # the workers last reported, and an object evicted since (by a write running beside
-# the step) must still serve the load planned from it (docs/reliability.md).
+# the step) must still serve the load planned from it (docs/reliability.md). One
+# allowance for the root, counted in its index, however many tiers evict there.
 LINGER_SHARE = 32  # one 32nd
 
 log = logging.getLogger(__name__)
@@ -199,26 +199,26 @@ class DiskTier:
         self.integrity_key = integrity_key
         self._on_remove = on_remove
         self._lock = threading.Lock()  # the fields below
-        self._writing = 0  # bytes of this process's writes in flight: counted against capacity too
         # Reads are not written to the index one by one: their recency, and objects
         # found gone, go with the tier's next write to it (at least every SYNC_SECONDS
         # while reads come).
         self._recent: dict[str, float] = {}
         self._lost: set[str] = set()
+        # Writes that failed after the index counted them, not yet uncounted.
+        self._abandoned: set[str] = set()
         self._synced = time.monotonic()
         self._unused: tuple[float, list[str]] = (-UNUSED_RECHECK_SECONDS, [])
-        # Objects this tier evicted whose files are not unlinked yet, oldest first: out
-        # of the index (reported removed), but a read planned before the report still
-        # finds them. At most `linger_bytes` of them, over the capacity.
-        self._leaving: OrderedDict[str, int] = OrderedDict()
-        self._leaving_bytes = 0
+        self._swept = -UNUSED_RECHECK_SECONDS
+        # Evicted objects' files are not unlinked at once: out of the index (reported
+        # removed), but a read planned before the report still finds them. At most
+        # `linger_bytes` of them under the root, whoever evicted them, over the capacity.
         self.linger_bytes = capacity // LINGER_SHARE
-        self._name = secrets.token_hex(8)  # this tier in the index's removal log
+        self._name = secrets.token_hex(8)  # this tier in the index (removals, writes, lingering files)
         prepare_root(self.root)
         self.layout = DiskLayout(self.root)
         self.index = RootIndex(self.root)
-        # The descriptor whose lock says this tier's digest is in use, while it is.
-        self._held: list[int] = []
+        # The descriptors whose locks say this tier runs and its digest is in use.
+        self._held: list[int] = [self.index.hold_tier(self._name)]
         if digest is not None:
             with self.index.write() as index:
                 self._held.append(index.hold_digest(digest))
@@ -263,18 +263,22 @@ class DiskTier:
                     continue
                 found[key] = (digest, stat.st_size, stat.st_mtime)
         with self.index.write() as index:
+            self._sweep(index, now=True)
+            for key in index.lingering_keys():
+                if key not in found:
+                    index.stop_lingering(key)
             known = index.all_keys()
             # Both checked again under the index's lock: another process may have
-            # stored or evicted since the scan.
+            # stored or evicted since the scan. A lingering file is counted already.
             for key in found.keys() - known:
-                if os.path.exists(self.layout.path(key)):
+                if os.path.exists(self.layout.path(key)) and not index.is_lingering(key):
                     index.add(key, *found[key])
             for key in known - found.keys():
                 if not os.path.exists(self.layout.path(key)):
                     index.remove(key, self._name)
             removed = self._make_room(index, self.capacity)
             self._reclaim_unused_folders(index)
-            usage = index.total()
+            usage = index.on_disk()
         TIER_USAGE.labels(TIER).set(usage)
         log.info(
             "disk tier %s: %d objects, %d bytes under the root", self.root, len(known | found.keys()), usage
@@ -310,28 +314,25 @@ class DiskTier:
                 return True
         except sqlite3.Error as error:
             return self._dropped(key, "index", error)
-        with self._lock:
-            self._writing += size
-        try:
-            return self._put_reserved(key, path, preamble, data, size)
-        finally:
-            with self._lock:
-                self._writing -= size
+        return self._put_counted(key, path, preamble, data, size)
 
-    def _put_reserved(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
+    def _put_counted(self, key: str, path: str, preamble: bytes, data: memoryview, size: int) -> bool:
         tmp = self.layout.temp_path(path)
         removed: list[str] = []
         fd: int | None = None
+        counted = False  # the write, in the index's writes under way
         renamed = False  # and not yet counted by a committed transaction
         try:
             with timed(TIER, "put", len(data)):
-                # Room for the writes under way first, so that this process's
-                # concurrent writers cannot each evict for themselves and together
-                # overshoot the capacity.
-                if self.index.total() + self._writing > self.capacity:
-                    with self.index.write() as index:
-                        removed += self._sync(index)  # this tier's reads count in the order
-                        removed += self._make_room(index, self.capacity - self._writing)
+                # The write is counted, and room made for it, before its first byte:
+                # concurrent writers, of this process or another, cannot each evict
+                # for themselves and together overshoot the capacity, and the file
+                # of a writer killed at any point is on the index's books.
+                with self.index.write() as index:
+                    removed += self._sync(index)  # this tier's reads count in the order
+                    index.start_write(tmp, key, size, self._name)
+                    removed += self._make_room(index, self.capacity)
+                counted = True
                 try:
                     fd = self._write(tmp, preamble, data)
                 except FileNotFoundError:  # the object's folder does not exist yet
@@ -339,22 +340,23 @@ class DiskTier:
                     fd = self._write(tmp, preamble, data)
                 with self.index.write() as index:
                     removed += self._sync(index)
+                    index.end_write(tmp)
                     if index.has(key):  # another writer put it there meanwhile
                         os.unlink(tmp)
                         index.mark_used({key: time.time()})
                     else:
                         os.replace(tmp, path)
                         renamed = True
-                        self._stop_leaving(key)  # the path holds the new file now
+                        index.stop_lingering(key)  # the path holds the new file now
                         try:
                             index.add(key, split_key(key)[0], size, time.time())
-                            removed += self._make_room(index, self.capacity - (self._writing - size))
+                            removed += self._make_room(index, self.capacity)
                         except BaseException:
                             os.unlink(path)  # still under the index's lock: no one else's file
                             renamed = False
                             raise
-                    TIER_USAGE.labels(TIER).set(index.total())
-                renamed = False
+                    TIER_USAGE.labels(TIER).set(index.on_disk())
+                renamed = counted = False
         except (OSError, sqlite3.Error) as error:
             kind = "disk_full" if getattr(error, "errno", None) == errno.ENOSPC else "io"
             if isinstance(error, sqlite3.Error):
@@ -362,6 +364,10 @@ class DiskTier:
             for leftover in (tmp, path) if renamed else (tmp,):
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
+            if counted:
+                with self._lock:
+                    self._abandoned.add(tmp)
+                self._sync_now()
             return self._dropped(key, kind, error)
         finally:
             if fd is not None:
@@ -410,6 +416,8 @@ class DiskTier:
         those of unused digests first, then the least recently used of all. The keys
         evicted."""
         over = index.total() - budget
+        if over > 0 and self._sweep(index):
+            over = index.total() - budget
         if over <= 0:
             return []
         evicted: list[str] = []
@@ -419,11 +427,9 @@ class DiskTier:
                 victims = index.oldest(_EVICT_BATCH, among)
                 if not victims:
                     break
-                for key, _, size in victims[: _needed(victims, over)]:
+                for key, digest, size in victims[: _needed(victims, over)]:
                     index.remove(key, self._name)
-                    with self._lock:
-                        self._leaving[key] = size
-                        self._leaving_bytes += size
+                    index.linger(key, digest, size, self._name)
                     TIER_EVICTIONS.labels(TIER).inc()
                     evicted.append(key)
                     over -= size
@@ -433,23 +439,47 @@ class DiskTier:
         return evicted
 
     def _unlink_lingering(self, index: RootIndex) -> None:
-        """(Inside index.write().) Unlink the oldest evicted files while they add more
-        than `linger_bytes`; one stored again since is the new object's, and stays."""
-        while True:
-            with self._lock:
-                if self._leaving_bytes <= self.linger_bytes or not self._leaving:
-                    return
-                gone, size = self._leaving.popitem(last=False)
-                self._leaving_bytes -= size
-            if not index.has(gone):
-                _unlink(self.layout.path(gone))
+        """(Inside index.write().) Unlink the root's oldest evicted files, whoever
+        evicted them, while they add more than `linger_bytes`; one stored again since
+        is the new object's, and stays."""
+        while index.lingering_bytes() > self.linger_bytes:
+            oldest = index.oldest_lingering()
+            if oldest is None:
+                return
+            if not index.has(oldest[0]):
+                _unlink(self.layout.path(oldest[0]))
 
-    def _stop_leaving(self, key: str) -> None:
-        """`key`'s lingering file is replaced or removed otherwise."""
-        with self._lock:
-            size = self._leaving.pop(key, None)
-            if size is not None:
-                self._leaving_bytes -= size
+    def _sweep(self, index: RootIndex, now: bool = False) -> bool:
+        """(Inside index.write().) Reclaim what tiers no longer running left on the
+        index's books (killed with `kill -9`, or their process gone without a close):
+        temporary files of writes under way, a file renamed into place before the
+        commit that would have counted it, and the files they evicted that still
+        linger. Looked at every UNUSED_RECHECK_SECONDS, or `now`. Whether anything
+        was reclaimed."""
+        if not now and time.monotonic() - self._swept < UNUSED_RECHECK_SECONDS:
+            return False
+        self._swept = time.monotonic()
+        reclaimed = False
+        names = set(index.writers())
+        if now:
+            names.update(index.tier_names())
+        for name in sorted(names):
+            if name == self._name or index.tier_alive(name):
+                continue
+            for tmp, key in index.writes_of(name):
+                clear_stale_temp(tmp)
+                index.end_write(tmp)
+                if not index.has(key) and not index.is_lingering(key):
+                    _unlink(self.layout.path(key))  # renamed, never counted
+                reclaimed = True
+            while (gone := index.oldest_lingering(name)) is not None:
+                if not index.has(gone[0]):
+                    _unlink(self.layout.path(gone[0]))
+                reclaimed = True
+            index.forget_tier(name)
+            if reclaimed:
+                log.info("disk tier %s: reclaimed the files of a tier that stopped mid-way", self.root)
+        return reclaimed
 
     def _unused_digests(self, index: RootIndex) -> list[str]:
         """(Inside index.write().) Digests with objects that no running tier uses:
@@ -474,6 +504,7 @@ class DiskTier:
             if counts.get(digest, 0) > 0 or digest == self.digest or index.in_use(digest):
                 continue
             shutil.rmtree(self.layout.digest_dir(digest), ignore_errors=True)
+            index.forget_lingering(digest)
             index.drop_digest(digest)
             index.forget_user(digest)
             log.info(
@@ -489,12 +520,16 @@ class DiskTier:
         with self._lock:
             recent, self._recent = self._recent, {}
             lost, self._lost = self._lost, set()
+            abandoned, self._abandoned = self._abandoned, set()
             self._synced = time.monotonic()
         if recent:
             index.mark_used(recent)
         for key in lost:
             if not os.path.exists(self.layout.path(key)):
                 index.remove(key, self._name)
+                index.stop_lingering(key)
+        for tmp in abandoned:
+            index.end_write(tmp)
         self._seen, removed = index.removed_since(self._seen, self.digest, self._name)
         return removed
 
@@ -634,9 +669,9 @@ class DiskTier:
         try:
             with self.index.write() as index:
                 counted = index.remove(key, self._name)
-                self._stop_leaving(key)
+                index.stop_lingering(key)
                 unlinked = _unlink(path)
-                TIER_USAGE.labels(TIER).set(index.total())
+                TIER_USAGE.labels(TIER).set(index.on_disk())
         except sqlite3.Error as error:
             log.warning("disk tier: could not update the index for the removal of %s: %s", key, error)
             unlinked = _unlink(path)  # its entry goes once found gone
@@ -650,7 +685,6 @@ class DiskTier:
     def _forget(self, key: str) -> None:
         """An object whose file is already gone (another process evicted it, or a
         hand removed it): reported now, its entry dropped with the next sync."""
-        self._stop_leaving(key)
         with self._lock:
             self._lost.add(key)
         self._sync_now()
@@ -669,11 +703,14 @@ class DiskTier:
         with contextlib.suppress(sqlite3.Error):
             with self.index.write() as index:
                 removed = self._sync(index)
-                self.linger_bytes = 0  # no load is planned from this tier any more
-                self._unlink_lingering(index)
+                # No load is planned from this tier any more.
+                while (gone := index.oldest_lingering(self._name)) is not None:
+                    if not index.has(gone[0]):
+                        _unlink(self.layout.path(gone[0]))
             self._report(removed)
         while self._held:
             os.close(self._held.pop())
+        self.index.forget_tier(self._name)
 
     def touch(self, key: str) -> None:
         with contextlib.suppress(sqlite3.Error), self.index.write() as index:

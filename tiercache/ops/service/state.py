@@ -17,6 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from tiercache.config import TierCacheConfig, unbounded_warnings
 from tiercache.errors import GcBusy
 from tiercache.index.block_hashing import BlockHashing
+from tiercache.index.keys import block_key
 from tiercache.index.kv_groups import FULL, GroupRule, best_end, group_key
 from tiercache.index.presence import instance_prefixes
 from tiercache.index.redis_conn import GuardedRedis
@@ -243,12 +244,20 @@ class ServiceState:
                 raw = self._hash_tokens(dep, request.token_ids, hashed)
             except ValueError as why:
                 raw, error = [], str(why)
-        if dep.groups and raw:
-            s3, disk = self._group_prefixes(dep, raw)
+        # The tiers name blocks as the deployment's engines do (keyed by their weights
+        # epoch after new weights in place); presence lists vLLM's own hashes.
+        epoch = bytes.fromhex(dep.weights_epoch) if dep.weights_epoch else None
+        keys = [block_key(h, epoch) for h in raw]
+        if dep.groups and keys:
+            s3, disk = self._group_prefixes(dep, keys)
         else:
             # touch=False: a router asking is not a use, so GC order is left alone.
-            s3 = self.index.longest_prefix(dep.model_digest, dep.rank_digests, raw, touch=False) if raw else 0
-            hexes = [h.hex() for h in raw]
+            s3 = (
+                self.index.longest_prefix(dep.model_digest, dep.rank_digests, keys, touch=False)
+                if keys
+                else 0
+            )
+            hexes = [h.hex() for h in keys]
             disk = self._disk_prefix(dep.rank_digests, hexes) if self.disk is not None else None
         instances = [
             InstanceHit(instance=p.instance, cpu=p.cpu, disk=p.disk, prefix_blocks=max(p.local, s3))
