@@ -57,15 +57,7 @@ class LoadPlanning(SchedulerBase):
             self._name(block_hash, request.block_hashes[first + i])
             hit.append((block_hash, block_ids[first + i], tier))
         ops = self._plan_hit(hit, may_stage=is_async)
-        job = LoadJob(req_id, ops, is_async)
-        self._pending_loads.append(job)
-        if is_async:
-            self._load_slots[req_id] = ops
-        state.next_block = max(state.next_block, first + count)
-        for op in ops:
-            if op.tier:
-                self.stats[f"hit_{op.tier}"] += 1
-                LOOKUP_HITS.labels(op.tier).inc()
+        self._queue_load(state, LoadJob(req_id, ops, is_async), first + count)
 
     def _plan_group_loads(
         self, state: RequestState, lookup: Lookup, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -100,12 +92,16 @@ class LoadPlanning(SchedulerBase):
             log.warning("tiercache: request %s: a KV cache group lacks a block of its hit", req_id)
             for op in ops:
                 self._unplan(op)
-        job = LoadJob(req_id, ops, is_async)
+        self._queue_load(state, LoadJob(req_id, ops, is_async), first + count)
+
+    def _queue_load(self, state: RequestState, job: LoadJob, end: int) -> None:
+        """The load goes to the workers with the next step's metadata; the request
+        stores from block `end` on."""
         self._pending_loads.append(job)
-        if is_async:
-            self._load_slots[req_id] = ops
-        state.next_block = max(state.next_block, first + count)
-        for op in ops:
+        if job.is_async:
+            self._load_slots[job.req_id] = job.ops
+        state.next_block = max(state.next_block, end)
+        for op in job.ops:
             if op.tier:
                 self.stats[f"hit_{op.tier}"] += 1
                 LOOKUP_HITS.labels(op.tier).inc()
