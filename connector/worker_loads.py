@@ -89,9 +89,6 @@ class WorkerLoads:
         for key in over:
             del self._loads[key]
 
-    def in_flight(self) -> list[Load]:
-        return [load for load in self._loads.values() if not load.ended]
-
     def staging_futures(self) -> list:
         return [future for load in self._staging for future in load.waits_on()]
 
