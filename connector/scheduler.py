@@ -29,7 +29,7 @@ from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, reads_disk_in_forward
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import slots_for
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 
 from .cost_model import LoadCostModel
 from .events import TierEvents

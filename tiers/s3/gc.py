@@ -55,7 +55,7 @@ from tiercache.index.leases import Leases
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment, RedisIndex, runs_key
 from tiercache.metrics import GC_SWEEPS_REFUSED
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.s3.legacy import sweep_legacy
 from tiercache.tiers.s3.passes import (
     SWEEP_BATCH,
