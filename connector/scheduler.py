@@ -350,7 +350,6 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
         meta.write_back_tiers = self.policy.take_write_back_tiers()
-        meta.write_back_tiers = self.policy.take_write_back_tiers()
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
         self._step += 1
         self._hit_tiers.clear()
