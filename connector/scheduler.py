@@ -25,7 +25,7 @@ from tiercache.index.keys import KVSpec
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
-from tiercache.index.request_counts import FleetRequestCounts
+from tiercache.index.request_counts import FLEET_COUNTS_REMEMBERED, FleetRequestCounts
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, reads_disk_in_forward
 from tiercache.tiers import CPU
@@ -207,7 +207,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             self.redis,
             self.model_digest,
             ttl=ttl,
-            remembered=4 * self.slots.num_slots,
+            remembered=min(4 * self.slots.num_slots, FLEET_COUNTS_REMEMBERED),
             popular_at=admission.everywhere_min_requests,
         )
 

@@ -6,12 +6,14 @@ is down leaves each scheduler its own counts."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
 
 from tiercache.config import build_config
 from tiercache.connector.driver import ConnectorDriver
+from tiercache.index.request_counts import FleetRequestCounts
 from tiercache.object_shape import ObjectShape
 from tiercache.tiers import CPU, S3
 
@@ -137,3 +139,27 @@ def test_redis_down_leaves_each_scheduler_its_own_counts(redis_server, s3_endpoi
         assert S3 not in admission.down_tiers(block(1), 0, None)
     finally:
         cache.close()
+
+
+def test_fleet_counts_last_their_ttl_and_expire(redis):
+    """A request counts for one to two windows of `ttl` seconds; the windows' keys
+    expire on their own."""
+    model = uuid.uuid4().hex[:16]
+    one = FleetRequestCounts(redis, model, ttl=0.5, remembered=16, popular_at=3)
+    other = FleetRequestCounts(redis, model, ttl=0.5, remembered=16, popular_at=3)
+    try:
+        one.requested([block(1), block(2)])
+        other.requested([block(1)])
+        assert one.wait() and other.wait()
+        assert (one.count(block(1)), one.count(block(2)), other.count(block(1))) == (1, 1, 2)
+        other.requested([block(1)])
+        assert other.wait() and other.count(block(1)) == 3
+        assert other.take_popular() == [block(1)] and one.take_popular() == []
+        keys = redis.client.keys(f"tc:{{{model}}}:asked:*")
+        assert keys and all(0 < redis.client.pttl(key) <= 2000 for key in keys)
+        time.sleep(1.1)  # two windows on: what was asked for then no longer counts
+        one.requested([block(1)])
+        assert one.wait() and one.count(block(1)) == 1
+    finally:
+        one.close()
+        other.close()

@@ -16,7 +16,10 @@ a thread of its own sends them in one script call per `interval`, which returns 
 block's count; `count` reads the last answer from memory. So a node knows the fleet's
 count of a block as of its own last request for it: of two nodes that each compute a
 prefix once, the second knows it was asked for twice. When Redis is down the batch is
-dropped and counts are local only (the admission takes the larger of the two)."""
+dropped and counts are local only (the admission takes the larger of the two).
+
+Cost: per block asked for, one HINCRBY and one HGET inside one script call per batch,
+on the shard that holds the deployment's index (about what its lookup costs)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 0.05
+# The most blocks whose last answer a scheduler keeps (about 200 bytes each): a block
+# forgotten before its CPU tier evicts it is admitted on the node's own count.
+FLEET_COUNTS_REMEMBERED = 100_000
 # Blocks waiting to be sent: past this a burst's oldest are dropped (counts stay local).
 _MAX_PENDING = 100_000
 _CHUNK = 5000  # blocks per script call
