@@ -275,7 +275,7 @@ def tiercache_kv(args: argparse.Namespace, disk: Path, shared: dict[str, Any] | 
 def tiercache_env(settings: list[str]) -> dict[str, str]:
     """--tiercache-set disk.load_in_forward=false as the environment override every
     tiercache process reads on top of its config (TIERCACHE_DISK__LOAD_IN_FORWARD)."""
-    from tiercache.config import ENV_PREFIX
+    from tiercache.config_env import ENV_PREFIX
 
     env = {}
     for setting in settings:

@@ -16,11 +16,11 @@ from tiercache.config import (
     MoverConfig,
     TierCacheConfig,
     build_config,
-    env_overrides,
     load_config,
     parse_byte_size,
     redact_url,
 )
+from tiercache.config_env import env_overrides
 
 TIERCACHE_BIN = Path(sys.executable).with_name("tiercache")
 
