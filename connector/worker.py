@@ -19,13 +19,14 @@ from tiercache.index.keys import KVSpec
 from tiercache.policy import reads_disk_in_forward
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
+from tiercache.tiers.peer import PeerTier
 
 from . import sync
 from .copier import PagedKVCopier
 from .copies import CopiesInFlight
 from .forward_timer import ForwardTimer
 from .layerwise_gpu import StreamLayerwiseSave
-from .load_lifecycle import VOID, Fill
+from .load_lifecycle import VOID, Fill, stages_into_slot
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -79,6 +80,11 @@ class TierCacheWorker:
         self.copier: PagedKVCopier | None = None
         self.buffer: CpuBuffer | None = None
         self.engine: TierEngine | None = None
+        # Other instances read this rank's CPU tier, and it reads theirs (tiers/peer):
+        # started once a step names this instance (TierCacheMetadata.instance).
+        self.peer: PeerTier | None = None
+        self._peer_started = False
+        self._peer_reads: ThreadPoolExecutor | None = None
         self.disabled_reason: str | None = None
         self._lock = threading.Lock()
         self._reports: list[Report] = []  # (rank, kind, value), in the order they happened
@@ -223,6 +229,8 @@ class TierCacheWorker:
             return
         self._begun = meta
         self._loads.new_step()
+        if self.peer is not None:
+            self._retire_slots(meta)
         if self.engine is None or not meta.write_backs:
             return
         assert self.copier is not None and self.buffer is not None  # set with the engine
@@ -236,6 +244,62 @@ class TierCacheWorker:
             data = bytes(self.buffer.view(slot))
             tiers = meta.write_back_tiers.get(block_hash, (DISK, S3))
             self.engine.write_down(block_hash, None, self.after_write, data=data, tiers=tiers)
+
+    # -- the peer tier -------------------------------------------------------------------
+    def _start_peer(self, instance: str) -> None:
+        """Share this rank's CPU tier under `instance` and read other instances' (once)."""
+        self._peer_started = True
+        if self.engine is None or self.buffer is None:
+            return
+        self.peer = PeerTier.create(self.config, self.engine.shape, self.buffer, self.engine.redis, instance)
+        if self.peer is not None:
+            # One read at a time per tier (its lock): one thread, so a staging never
+            # holds a mover or a disk reader while it waits on a peer.
+            self._peer_reads = ThreadPoolExecutor(1, thread_name_prefix="tiercache-stage-peer")
+            log.info("tiercache: rank %d shares its CPU tier with peers as %s", self.tp_rank, instance)
+
+    def _retire_slots(self, meta: TierCacheMetadata) -> None:
+        """Before anything of the step writes into a CPU slot (a store's copy, a
+        staging): no peer reads what those slots held from now on."""
+        assert self.peer is not None  # called only with the tier
+        for op in meta.stores:
+            self.peer.retire(op.slot)
+        for job in meta.loads:
+            for op in job.ops:
+                if stages_into_slot(op):
+                    self.peer.retire(op.slot)
+
+    def published(self, block_hash: bytes, slot: int) -> None:
+        """`slot` holds `block_hash` now (a store copied out, a staging verified):
+        other instances may read it."""
+        if self.peer is not None:
+            self.peer.publish(slot, block_hash)
+
+    def read_from_peer(self, instance: str, ops: list[BlockOp], deadline: float) -> Future:
+        """Read `ops`' blocks from `instance`'s CPU tier into their slots by `deadline`
+        (time.monotonic()); the future's result says per op whether it came, verified.
+        Never raises; done only once nothing writes into the slots any more."""
+        if self.peer is None or self._peer_reads is None or not instance:
+            missed: Future = Future()
+            missed.set_result([False] * len(ops))
+            return missed
+        peer = self.peer
+        blocks = [(op.block_hash, op.slot) for op in ops]
+
+        def read() -> list[bool]:
+            result = peer.read(instance, blocks, deadline)
+            loaded = set(result.loaded)
+            if result.missed:
+                log.info(
+                    "tiercache: %d of %d blocks missed from peer %s (%s)",
+                    len(result.missed),
+                    len(blocks),
+                    instance,
+                    next(iter(result.missed.values())),
+                )
+            return [i in loaded for i in range(len(blocks))]
+
+        return self._peer_reads.submit(read)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs.
@@ -416,6 +480,7 @@ class TierCacheWorker:
         # (the scheduler's write-backs, `_begin_step`).
         writes_through = self.writes_lower_tiers and self.config.movers.policy == "write_through"
         for op in ops:
+            self.published(op.block_hash, op.slot)
             self.emit(FILLED, (op.block_hash, op.slot))
             if writes_through:
                 self.engine.write_down(
@@ -437,6 +502,8 @@ class TierCacheWorker:
         if meta is self._noted:
             return
         self._noted = meta
+        if meta.instance and not self._peer_started:
+            self._start_peer(meta.instance)
         self._awaiting_sending.update(meta.finished_storing)
 
     def _fence_before_forward(self, meta: TierCacheMetadata) -> None:
@@ -556,6 +623,11 @@ class TierCacheWorker:
 
     def shutdown(self) -> None:
         self.copies.drain()
+        if self._peer_reads is not None:
+            self._peer_reads.shutdown(wait=True, cancel_futures=True)
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         if self._loads.layer_helper is not None:
             self._loads.layer_helper.shutdown(wait=True)
         if self.engine is not None:
