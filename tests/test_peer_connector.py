@@ -91,59 +91,69 @@ def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on
         a.close()
 
 
-def start_holder(redis_url: str, model: str, seed: int) -> subprocess.Popen:
-    """Instance "a" in a process of its own, its blocks of `seed` stored and published."""
+def start_holders(redis_url: str, model: str, seeds: dict[str, int]) -> dict[str, subprocess.Popen]:
+    """Each named instance in a process of its own, its blocks of its seed stored and
+    published. Started together: each takes seconds to import its way up."""
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
-    process = subprocess.Popen(
-        [sys.executable, str(HOLDER), redis_url, model, "a", str(seed)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline().strip()
-    if line != "READY":
-        process.kill()
-        pytest.fail(f"the holder did not start: {line!r}")
-    return process
+    holders = {
+        name: subprocess.Popen(
+            [sys.executable, str(HOLDER), redis_url, model, name, str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, seed in seeds.items()
+    }
+    for name, process in holders.items():
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if line != "READY":
+            for other in holders.values():
+                other.kill()
+            pytest.fail(f"holder {name} did not start: {line!r}")
+    return holders
 
 
-@pytest.mark.parametrize("when", ["before", "during"])
-def test_a_holder_killed_before_or_during_the_read_is_a_miss(redis_url, model, when):
-    hashes, pages = blocks(4)
-    holder = start_holder(redis_url, model, 4)
+def test_a_holder_killed_before_or_during_the_read_is_a_miss(redis_url, model):
+    holders = start_holders(redis_url, model, {"dead": 4, "dying": 5})
     b = instance(redis_url, "b", model)
     try:
         started(b)
-        assert b.scheduler.peers.holder(hashes) == ("a", BLOCKS)
-        if when == "before":
-            holder.send_signal(signal.SIGKILL)
-            holder.wait()
-        else:
-            reader_read = b.worker.peer.agent.read
+        dead, _ = blocks(4)
+        dying, _ = blocks(5)
+        assert b.scheduler.peers.holder(dead) == ("dead", BLOCKS)
+        assert b.scheduler.peers.holder(dying) == ("dying", BLOCKS)
+        # Their records and presence stay in Redis until their TTLs, as after a crash.
+        holders["dead"].send_signal(signal.SIGKILL)
+        holders["dead"].wait()
+        reader_read = b.worker.peer.agent.read
 
-            def read_then_kill(agent, pieces, deadline):
-                reader_read(agent, pieces, deadline)
-                if holder.poll() is None:  # after the directory rows: the holder dies
-                    holder.send_signal(signal.SIGKILL)
-                    holder.wait()
+        def read_then_kill(agent, pieces, deadline):
+            reader_read(agent, pieces, deadline)
+            if holders["dying"].poll() is None:  # after the directory rows: it dies
+                holders["dying"].send_signal(signal.SIGKILL)
+                holders["dying"].wait()
 
-            b.worker.peer.agent.read = read_then_kill
-        # Its record and presence stay in Redis until their TTLs, as after a crash.
-        served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
-        assert served.tiers == [None] * BLOCKS
-        assert b.worker.stats.data.get("failed_blocks_peer") == BLOCKS
-        # What b computed instead is stored: the next request hits b's own CPU tier.
-        b.deliver_reports()
-        again = b.serve(hashes)
-        assert again.tiers == ["cpu"] * BLOCKS
-        assert [bytes(kv) for kv in again.kv] == [b"\x00" * BLOCK] * BLOCKS
+        for hashes in (dead, dying):
+            if hashes is dying:
+                b.worker.peer.agent.read = read_then_kill
+            failed_before = b.worker.stats.data.get("failed_blocks_peer", 0)
+            served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
+            assert served.tiers == [None] * BLOCKS
+            assert b.worker.stats.data.get("failed_blocks_peer") == failed_before + BLOCKS
+            # What b computed instead is stored: the next request hits b's own CPU tier.
+            b.deliver_reports()
+            again = b.serve(hashes)
+            assert again.tiers == ["cpu"] * BLOCKS
+            assert [bytes(kv) for kv in again.kv] == [b"\x00" * BLOCK] * BLOCKS
+        assert holders["dying"].poll() is not None, "the holder was never read"
     finally:
         b.close()
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        for process in holders.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_a_holder_that_shut_down_is_a_miss(redis_url, model):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from connector.driver import ConnectorDriver
 from tiercache.config import TierCacheConfig, build_config
+
+if TYPE_CHECKING:
+    from connector.driver import ConnectorDriver
 
 BLOCK = 16 * 1024
 BLOCKS = 6
@@ -33,6 +36,8 @@ def config(redis_url: str, name: str, *, peer: bool = True, namespace: str = "de
 
 
 def instance(redis_url: str, name: str, model: str, **kwargs) -> ConnectorDriver:
+    from connector.driver import ConnectorDriver
+
     return ConnectorDriver(config(redis_url, name, **kwargs), BLOCK, model=model, num_blocks=2 * BLOCKS + 2)
 
 
@@ -54,9 +59,57 @@ def computed(driver: ConnectorDriver, hashes: list[bytes], pages: list[bytes]) -
 
 
 def main(argv: list[str]) -> None:
+    """The holder: the worker half alone (it runs without vLLM, connector/vllm_compat.py,
+    and starts in a few seconds rather than the many importing vLLM takes), handed the
+    step a scheduler would plan to store the blocks, and the presence that scheduler
+    would publish."""
     redis_url, model, name, seed = argv[0], argv[1], argv[2], int(argv[3])
-    driver = instance(redis_url, name, model)
-    computed(driver, *blocks(seed))
+    sys.modules["vllm"] = None  # type: ignore[assignment]
+    import torch
+
+    from connector.driver import BLOCK_SIZE, LAYER
+    from connector.metadata import BlockOp, TierCacheMetadata
+    from connector.worker import TierCacheWorker
+    from tiercache.index.keys import KVSpec
+    from tiercache.index.presence import PresencePublisher
+    from tiercache.index.redis_conn import GuardedRedis
+    from tiercache.tiers import CPU
+
+    settings = config(redis_url, name)
+    # The spec ConnectorDriver gives its worker: the same deployment and rank digests.
+    spec = KVSpec(
+        model=model,
+        revision="",
+        dtype="uint8",
+        kv_dtype="auto",
+        block_size=BLOCK_SIZE,
+        layout="bytes",
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=BLOCK,
+        tp_size=1,
+        tp_rank=0,
+        namespace=settings.namespace,
+        page_bytes=BLOCK,
+    )
+    worker = TierCacheWorker(settings, spec, spec.model_digest(), BLOCKS, 0, True, 0, [[LAYER]])
+    kv = torch.zeros((BLOCKS, BLOCK), dtype=torch.uint8)
+    worker.register_kv_caches({LAYER: kv}, BLOCK)
+    hashes, pages = blocks(seed)
+    for i, page in enumerate(pages):
+        kv[i] = torch.frombuffer(bytearray(page), dtype=torch.uint8)
+    step = TierCacheMetadata(
+        stores=[BlockOp(h, i, i, CPU, req_id="r") for i, h in enumerate(hashes)], instance=name
+    )
+    worker.track(step)
+    worker.start_load_kv(step)
+    worker.wait_for_save(step)
+    worker.get_finished()
+    assert worker.peer is not None, "the peer tier did not start"
+    presence = PresencePublisher(GuardedRedis(redis_url, settings.redis), spec.model_digest(), name)
+    for block_hash in hashes:
+        presence.update(block_hash, CPU, True)
+    assert presence.flush()
     print("READY", flush=True)
     while True:
         time.sleep(60)
