@@ -5,12 +5,15 @@ them from that instance over NIXL; the scheduler never touches a peer itself."""
 
 from __future__ import annotations
 
-import logging
+import time
 
-from tiercache.index.presence import instance_prefixes
+from tiercache.index.presence import instance_prefixes, live_instances
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 
-log = logging.getLogger("tiercache.connector")
+# How long the list of live instances is trusted: an instance alone in its deployment
+# (the common case) then costs one Redis round trip per this many seconds, not one per
+# lookup. A peer that starts is seen this much later at most.
+LIVE_INSTANCES_SECONDS = 1.0
 
 
 class PeerLookup:
@@ -18,6 +21,8 @@ class PeerLookup:
         self.redis = redis
         self.model_digest = model_digest
         self.instance = instance  # this one: never its own peer
+        self._others_at: float | None = None  # when `_others` was last read
+        self._others = False  # whether another instance of the deployment was live then
 
     def holder(self, block_hashes: list[bytes]) -> tuple[str, int] | None:
         """(instance, leading blocks of `block_hashes` in its CPU tier) for the live
@@ -26,6 +31,8 @@ class PeerLookup:
         if not block_hashes:
             return None
         try:
+            if not self._another_is_live():
+                return None
             found = instance_prefixes(self.redis, self.model_digest, block_hashes)
         except RedisUnavailable:
             return None
@@ -35,3 +42,12 @@ class PeerLookup:
             default=None,
         )
         return None if best is None else (best.instance, best.cpu)
+
+    def _another_is_live(self) -> bool:
+        """Raises RedisUnavailable."""
+        now = time.monotonic()
+        if self._others_at is None or now - self._others_at >= LIVE_INSTANCES_SECONDS:
+            live = live_instances(self.redis, self.model_digest)
+            self._others = any(name != self.instance for name in live)
+            self._others_at = now
+        return self._others
