@@ -30,6 +30,7 @@ from tiercache.policy import BlockPolicy, reads_disk_in_forward
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.peer.agent import load_nixl
 
 from .cost_model import LoadCostModel
 from .events import TierEvents
@@ -271,6 +272,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             return None
         if self.hybrid:
             log.warning("tiercache: the peer tier serves models of one KV cache group only: it is off")
+            return None
+        if load_nixl() is None:  # the workers cannot read (warned): plan no peer loads
             return None
         return PeerLookup(self.redis, self.model_digest, self.instance)
 

@@ -19,14 +19,13 @@ from tiercache.index.keys import KVSpec
 from tiercache.policy import reads_disk_in_forward
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer, slots_for
-from tiercache.tiers.peer import PeerTier
 
 from . import sync
 from .copier import PagedKVCopier
 from .copies import CopiesInFlight
 from .forward_timer import ForwardTimer
 from .layerwise_gpu import StreamLayerwiseSave
-from .load_lifecycle import VOID, Fill, stages_into_slot
+from .load_lifecycle import VOID, Fill
 from .metadata import (
     FILL_FAILED,
     FILLED,
@@ -43,6 +42,7 @@ from .metadata import (
 )
 from .stats import GaugeReport, TierCacheStats
 from .worker_loads import WorkerLoads
+from .worker_peer import WorkerPeer, missed
 
 log = logging.getLogger("tiercache.connector")
 
@@ -82,9 +82,8 @@ class TierCacheWorker:
         self.engine: TierEngine | None = None
         # Other instances read this rank's CPU tier, and it reads theirs (tiers/peer):
         # started once a step names this instance (TierCacheMetadata.instance).
-        self.peer: PeerTier | None = None
+        self.peer: WorkerPeer | None = None
         self._peer_started = False
-        self._peer_reads: ThreadPoolExecutor | None = None
         self.disabled_reason: str | None = None
         self._lock = threading.Lock()
         self._reports: list[Report] = []  # (rank, kind, value), in the order they happened
@@ -230,7 +229,7 @@ class TierCacheWorker:
         self._begun = meta
         self._loads.new_step()
         if self.peer is not None:
-            self._retire_slots(meta)
+            self.peer.retire(meta)
         if self.engine is None or not meta.write_backs:
             return
         assert self.copier is not None and self.buffer is not None  # set with the engine
@@ -249,57 +248,19 @@ class TierCacheWorker:
     def _start_peer(self, instance: str) -> None:
         """Share this rank's CPU tier under `instance` and read other instances' (once)."""
         self._peer_started = True
-        if self.engine is None or self.buffer is None:
-            return
-        self.peer = PeerTier.create(self.config, self.engine.shape, self.buffer, self.engine.redis, instance)
-        if self.peer is not None:
-            # One read at a time per tier (its lock): one thread, so a staging never
-            # holds a mover or a disk reader while it waits on a peer.
-            self._peer_reads = ThreadPoolExecutor(1, thread_name_prefix="tiercache-stage-peer")
-            log.info("tiercache: rank %d shares its CPU tier with peers as %s", self.tp_rank, instance)
-
-    def _retire_slots(self, meta: TierCacheMetadata) -> None:
-        """Before anything of the step writes into a CPU slot (a store's copy, a
-        staging): no peer reads what those slots held from now on."""
-        assert self.peer is not None  # called only with the tier
-        for op in meta.stores:
-            self.peer.retire(op.slot)
-        for job in meta.loads:
-            for op in job.ops:
-                if stages_into_slot(op):
-                    self.peer.retire(op.slot)
+        if self.engine is not None and self.buffer is not None:
+            self.peer = WorkerPeer.start(self.config, self.engine, self.buffer, instance, self.tp_rank)
 
     def published(self, block_hash: bytes, slot: int) -> None:
-        """`slot` holds `block_hash` now (a store copied out, a staging verified):
-        other instances may read it."""
+        """`slot` holds `block_hash` now: other instances may read it."""
         if self.peer is not None:
-            self.peer.publish(slot, block_hash)
+            self.peer.published(block_hash, slot)
 
     def read_from_peer(self, instance: str, ops: list[BlockOp], deadline: float) -> Future:
-        """Read `ops`' blocks from `instance`'s CPU tier into their slots by `deadline`
-        (time.monotonic()); the future's result says per op whether it came, verified.
-        Never raises; done only once nothing writes into the slots any more."""
-        if self.peer is None or self._peer_reads is None or not instance:
-            missed: Future = Future()
-            missed.set_result([False] * len(ops))
-            return missed
-        peer = self.peer
-        blocks = [(op.block_hash, op.slot) for op in ops]
-
-        def read() -> list[bool]:
-            result = peer.read(instance, blocks, deadline)
-            loaded = set(result.loaded)
-            if result.missed:
-                log.info(
-                    "tiercache: %d of %d blocks missed from peer %s (%s)",
-                    len(result.missed),
-                    len(blocks),
-                    instance,
-                    next(iter(result.missed.values())),
-                )
-            return [i in loaded for i in range(len(blocks))]
-
-        return self._peer_reads.submit(read)
+        """WorkerPeer.read, or all missed without a peer tier or a holder."""
+        if self.peer is None or not instance:
+            return missed(ops)
+        return self.peer.read(instance, ops, deadline)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs.
@@ -405,6 +366,9 @@ class TierCacheWorker:
         engine, self.engine = self.engine, None
         if engine is not None:
             self.quietly(engine.close)
+        peer, self.peer = self.peer, None
+        if peer is not None:  # its record leaves Redis: no one reads this CPU tier any more
+            self.quietly(peer.close)
 
     # -- stores ---------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: TierCacheMetadata) -> None:
@@ -623,11 +587,9 @@ class TierCacheWorker:
 
     def shutdown(self) -> None:
         self.copies.drain()
-        if self._peer_reads is not None:
-            self._peer_reads.shutdown(wait=True, cancel_futures=True)
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
+        peer, self.peer = self.peer, None
+        if peer is not None:
+            peer.close()
         if self._loads.layer_helper is not None:
             self._loads.layer_helper.shutdown(wait=True)
         if self.engine is not None:

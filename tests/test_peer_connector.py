@@ -67,7 +67,7 @@ def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on
         # b reads the blocks; right after it has found them in a's directory, a's CPU
         # tier rewrites the slot of the third one, as a store reusing it would.
         victim = a.slots.slot_of(hashes[2])
-        holder, reader = a.worker.peer, b.worker
+        holder, reader = a.worker.peer.tier, b.worker
         rounds = []
         _, other = blocks(3, 1)
 
@@ -80,8 +80,8 @@ def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on
                 holder.publish(victim, b"\x07" * 32)
 
         started(b)
-        reader_read = reader.peer.agent.read
-        reader.peer.agent.read = read_then_rewrite
+        reader_read = reader.peer.tier.agent.read
+        reader.peer.tier.agent.read = read_then_rewrite
         served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
         assert served.tiers == ["peer", "peer"] + [None] * (BLOCKS - 2)
         assert [bytes(kv) for kv in served.kv[:2]] == pages[:2]
@@ -127,7 +127,7 @@ def test_a_holder_killed_before_or_during_the_read_is_a_miss(redis_url, model):
         # Their records and presence stay in Redis until their TTLs, as after a crash.
         holders["dead"].send_signal(signal.SIGKILL)
         holders["dead"].wait()
-        reader_read = b.worker.peer.agent.read
+        reader_read = b.worker.peer.tier.agent.read
 
         def read_then_kill(agent, pieces, deadline):
             reader_read(agent, pieces, deadline)
@@ -137,7 +137,7 @@ def test_a_holder_killed_before_or_during_the_read_is_a_miss(redis_url, model):
 
         for hashes in (dead, dying):
             if hashes is dying:
-                b.worker.peer.agent.read = read_then_kill
+                b.worker.peer.tier.agent.read = read_then_kill
             failed_before = b.worker.stats.data.get("failed_blocks_peer", 0)
             served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
             assert served.tiers == [None] * BLOCKS
@@ -161,7 +161,7 @@ def test_a_holder_that_shut_down_is_a_miss(redis_url, model):
     hashes, pages = blocks(5)
     try:
         computed(a, hashes, pages)
-        a.worker.peer.close()  # its record leaves Redis; its presence stays a while
+        a.worker.peer.tier.close()  # its record leaves Redis; its presence stays a while
         served = b.serve(hashes)
         assert served.tiers == [None] * BLOCKS
     finally:
@@ -178,7 +178,7 @@ def test_another_namespace_is_never_read(redis_url, model):
         assert b.scheduler.peers.holder(hashes) is None
         read = []
         started(b)
-        b.worker.peer.agent.read = lambda *args: read.append(args)
+        b.worker.peer.tier.agent.read = lambda *args: read.append(args)
         assert b.serve(hashes).tiers == [None] * BLOCKS
         assert read == []
     finally:
@@ -225,4 +225,24 @@ def test_peer_blocks_come_after_local_ones_in_one_load(redis_url, model):
         assert [bytes(kv) for kv in served.kv] == pages
     finally:
         b.close()
+        a.close()
+
+
+def test_without_nixl_the_tier_is_off_and_nothing_else_changes(redis_url, model, monkeypatch):
+    a = instance(redis_url, "a", model)
+    try:
+        hashes, pages = blocks(10)
+        computed(a, hashes, pages)
+        monkeypatch.setattr("tiercache.tiers.peer.tier.load_nixl", lambda: None)
+        monkeypatch.setattr("connector.scheduler.load_nixl", lambda: None)
+        b = instance(redis_url, "b", model)
+        try:
+            assert b.scheduler.peers is None
+            assert b.serve(hashes, pages).tiers == [None] * BLOCKS
+            assert b.worker.peer is None
+            b.deliver_reports()
+            assert b.serve(hashes).tiers == ["cpu"] * BLOCKS
+        finally:
+            b.close()
+    finally:
         a.close()
