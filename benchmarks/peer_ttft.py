@@ -37,7 +37,7 @@ from tiercache.ops.vllm_runner import connector_config, loading_every_hit, run_e
 
 def kv(redis_url: str, name: str, disk: Path, peer: bool) -> dict[str, Any]:
     extra = {
-        "cpu": {"capacity": "2GiB"},
+        "cpu": {"capacity": "1GiB"},
         "disk": {"path": str(disk), "capacity": "8GiB"},
         "redis_url": redis_url,
         "instance_id": name,
