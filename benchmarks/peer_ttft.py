@@ -89,12 +89,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": reader_items,
             "in_process": True,  # clear_vllm_prefix_cache reaches the engine core
         }
-        with ThreadPoolExecutor(2) as pool:
-            runs = [pool.submit(run_engine, spec, work / "runs", env, 3600) for spec in (holder, reader)]
+
+        def engine(spec: dict[str, Any]) -> dict[str, Any]:
             try:
-                held, loaded = (r.result() for r in runs)
-            finally:
+                return run_engine(spec, work / "runs", env, 3600)
+            finally:  # one engine that failed must not leave the other waiting on it
+                stored.touch()
                 read.touch()
+
+        with ThreadPoolExecutor(2) as pool:
+            held, loaded = pool.map(engine, (holder, reader))
         restarted_items = [request("warm", warm[::-1][1:]), request("first_read", first_read)]
         restarted_items += [request(f"disk/{n}/{r}", ids) for (n, r), ids in prompts.items()]
         restarted_kv = kv(redis.url, "restarted", disk, False)
@@ -143,7 +147,9 @@ def main() -> None:
     )
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--kv-fraction", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
+    parser.add_argument(
+        "--kv-fraction", type=float, default=0.08, help="gpu_memory_utilization (on CPU: of host memory)"
+    )
     parser.add_argument("--reserved-cpus", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also save benchmarks/results/peer_ttft.json")
     args = parser.parse_args()

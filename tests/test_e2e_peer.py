@@ -41,6 +41,8 @@ def spec(model: str, redis_url: str, name: str, prompts: list[dict]) -> dict:
         "prompts": prompts,
         "log_stats": True,
         "counters": "vllm:tiercache_loaded_blocks",
+        # Two engines at once: each takes a small share of host memory for its KV.
+        "gpu_memory_utilization": 0.05,
     }
 
 
