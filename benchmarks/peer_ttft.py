@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1000,2000")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
-        "--kv-fraction", type=float, default=0.08, help="gpu_memory_utilization (on CPU: of host memory)"
+        "--kv-fraction", type=float, default=0.15, help="gpu_memory_utilization (on CPU: of host memory)"
     )
     parser.add_argument("--reserved-cpus", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also save benchmarks/results/peer_ttft.json")
