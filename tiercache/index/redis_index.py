@@ -37,8 +37,7 @@ _RECORD = struct.Struct(">IIQB")
 
 # Lua shared by the lookup scripts: give runs (`args`: now, run, now, run, ...) their
 # last access in a runs ZSET, only those already there, a bounded number a call.
-_TOUCH_RUNS = (
-    """
+_TOUCH_RUNS = """
 local function touch_runs(key, args)
   local i = 1
   while i <= #args do
@@ -47,18 +46,14 @@ local function touch_runs(key, args)
     i = last + 1
   end
 end
-"""
-    % _CHUNK
-)
+""" % _CHUNK
 
 # KEYS: per rank, its block HASH then its runs ZSET. ARGV: now, touch (0/1), member
 # length, members concatenated into one string. One argument rather than thousands:
 # packing and unpacking a few thousand arguments costs both sides more than the
 # lookup itself. Returns how many leading members are present in every rank's HASH;
 # with touch, the runs holding them get `now` as their last access.
-_LOOKUP = (
-    _TOUCH_RUNS
-    + """
+_LOOKUP = _TOUCH_RUNS + """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
 local width = tonumber(ARGV[3])
@@ -107,18 +102,14 @@ if touch then
   end
 end
 return found
-"""
-    % (_CHUNK, RUN_ID_BYTES)
-)
+""" % (_CHUNK, RUN_ID_BYTES)
 
 
 # KEYS: as _LOOKUP. ARGV: now, touch (0/1), then per probe: member length, prefix
 # (0/1), members concatenated. Returns per probe a string of '1' (every rank holds the
 # member) and '0'; a prefix probe is read up to its first miss only, and its string
 # ends there. With touch, the runs holding any member found get `now`.
-_PRESENCE = (
-    _TOUCH_RUNS
-    + """
+_PRESENCE = _TOUCH_RUNS + """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
 local answers = {}
@@ -179,9 +170,7 @@ if touch then
   end
 end
 return answers
-"""
-    % (_CHUNK, RUN_ID_BYTES)
-)
+""" % (_CHUNK, RUN_ID_BYTES)
 
 
 @dataclass(frozen=True)
