@@ -47,7 +47,7 @@ def rss_mib() -> float:
 
 
 def disk_usage(root: Path) -> tuple[int, int]:
-    from tiercache.tiers.disk.tier import DiskLayout
+    from tiercache.tiers.disk.layout import DiskLayout
 
     usage = DiskLayout(root).usage().values()
     return sum(objects for objects, _ in usage), sum(size for _, size in usage)

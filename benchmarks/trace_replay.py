@@ -8,7 +8,9 @@ tiers hold and stores what the request computes, and every decision (hits, store
 evictions, what is written down where) is the connector's own. Capacities are
 fractions of the replayed requests' distinct blocks: the CPU tier and the disk split
 `total` between them (`--cpu-share` to the CPU tier); with `--s3`, an S3 tier (moto, in
-its own process, indexed in a local redis-server) without a capacity.
+its own process, indexed in a local redis-server) of `--s3-capacity` times `total`,
+kept under it as the product keeps it: the GC's capacity pass (tiers/s3/gc.py, by last
+access and hits) every `--gc-every` requests, as the service runs it on a timer.
 
 Printed per policy and capacity: blocks hit per tier, blocks and bytes written to disk
 and S3 and the PUTs S3 was sent, and the hits (CPU and disk) against an infinite cache
@@ -133,12 +135,18 @@ def movers_of(spec: str) -> dict:
     return movers
 
 
-def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, stack=None) -> dict:
+def replay(
+    trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, stack=None, s3_blocks=0, gc_every=20
+) -> dict:
     """One run of `trace` under `policy` (a spec, see movers_of): hits per tier and
-    what went down."""
+    what went down. With `stack` (redis-server, S3), an S3 tier of `s3_blocks` (0:
+    unbounded), collected every `gc_every` requests."""
     from tiercache.config import build_config
     from tiercache.connector.driver import ConnectorDriver
     from tiercache.object_shape import ObjectShape
+    from tiercache.tiers.s3.gc import run_gc
+    from tiercache.tiers.s3.passes import gc_redis_client
+    from tiercache.tiers.s3.tier import S3Tier
 
     object_bytes = ObjectShape("0" * 16, "0" * 16, BLOCK_BYTES).object_bytes
     run = f"run-{cpu_blocks}-{disk_blocks}-{time.monotonic_ns()}"
@@ -152,7 +160,12 @@ def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, st
         redis_server, s3 = stack
         data["redis_url"] = redis_server.url
         data["s3"] = {"bucket": "replay", "endpoint_url": s3.url, "region": "us-east-1", "prefix": run}
+        if s3_blocks:
+            data["s3"]["capacity"] = s3_blocks * object_bytes
     config = build_config(data, environ={})
+    collect = stack is not None and s3_blocks > 0
+    gc_clients = (gc_redis_client(config), S3Tier(config.s3)) if collect else None
+    evicted = spared = 0
     longest = max(len(request) for request in trace)
     driver = ConnectorDriver(config, BLOCK_BYTES, model=run, num_blocks=longest + 2)
     page = bytes(BLOCK_BYTES)
@@ -160,18 +173,28 @@ def replay(trace, policy: str, cpu_blocks: int, disk_blocks: int, work: Path, st
     before = _counters()
     start = time.monotonic()
     try:
-        for request in trace:
+        for number, request in enumerate(trace, 1):
             hashes = [block_hash(block) for block in request]
             served = driver.serve(hashes, [page] * len(hashes))
             for tier in served.tiers:
                 if tier is not None:
                     hits[tier] += 1
             driver.flush()
+            if gc_clients is not None and number % gc_every == 0:
+                report = run_gc(config, sweep_orphans=False, redis=gc_clients[0], s3=gc_clients[1])
+                if report["errors"]:
+                    raise RuntimeError(f"the GC pass failed: {report['errors']}")
+                evicted += report["evicted_objects"]
+                spared += report["spared_hit"]
     finally:
         driver.close()
+        if gc_clients is not None:
+            gc_clients[0].close()
+            gc_clients[1].close()
     after = _counters()
     moved = {name: int(after[name] - before[name]) for name in after}
-    return {"hits": hits, **moved, "seconds": round(time.monotonic() - start, 1)}
+    gc = {"gc_evicted_runs": evicted, "gc_spared_runs": spared} if collect else {}
+    return {"hits": hits, **moved, **gc, "seconds": round(time.monotonic() - start, 1)}
 
 
 def table(report: dict) -> str:
@@ -179,18 +202,21 @@ def table(report: dict) -> str:
     at the same capacity."""
     lines = [
         "| capacity | policy | hits CPU / disk / S3 | CPU + disk hits (x write-through) | of Belady | "
-        "of infinite | disk writes (MiB) | S3 PUTs (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "of infinite | all hits (x write-through) | disk writes (MiB) | S3 PUTs (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = {run["capacity"]: run for run in report["runs"] if run["policy"] == "write_through"}
     mib = 1 << 20
     for run in report["runs"]:
         hits = run["hits"]
         ref = base.get(run["capacity"])
-        times = f" (x{run['local_hits'] / max(1, ref['local_hits']):.2f})" if ref and ref is not run else ""
+        compared = ref is not None and ref is not run
+        times = f" (x{run['local_hits'] / max(1, ref['local_hits']):.2f})" if compared else ""
+        total = sum(hits.values())
+        all_times = f" (x{total / max(1, sum(ref['hits'].values())):.2f})" if compared else ""
         lines.append(
             f"| {run['capacity']:.0%} | {run['policy']} | {hits['cpu']} / {hits['disk']} / {hits['s3']} | "
-            f"{run['local_hits']}{times} | {run['of_belady']} | {run['of_infinite']} | "
+            f"{run['local_hits']}{times} | {run['of_belady']} | {run['of_infinite']} | {total}{all_times} | "
             f"{run['disk_writes']} ({run['disk_bytes'] / mib:.0f}) | "
             f"{run['s3_puts']} ({run['s3_bytes'] / mib:.0f}) |"
         )
@@ -213,6 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="comma separated: a mover policy, with settings after +: selective+selective_s3_min_requests=1",
     )
     parser.add_argument("--s3", action="store_true", help="an S3 tier too (moto and redis-server, local)")
+    parser.add_argument(
+        "--s3-capacity",
+        type=float,
+        default=2.0,
+        help="the S3 tier's capacity, times the CPU + disk capacity (0: unbounded, no GC)",
+    )
+    parser.add_argument("--gc-every", type=int, default=20, help="an S3 GC pass every N requests")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", type=Path, default=None, help="print a saved report (--out) as a table")
     args = parser.parse_args(argv)
@@ -232,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
         "distinct_blocks": distinct,
         "infinite_hits": infinite,
         "cpu_share": args.cpu_share,
+        "s3_capacity": args.s3_capacity if args.s3 else None,
+        "gc_every": args.gc_every if args.s3 else None,
         "block_bytes": BLOCK_BYTES,
         "runs": [],
     }
@@ -252,16 +287,18 @@ def main(argv: list[str] | None = None) -> dict:
             total = max(2, int(fraction * distinct))
             cpu_blocks = max(1, int(total * args.cpu_share))
             disk_blocks = total - cpu_blocks
+            s3_blocks = int(total * args.s3_capacity) if args.s3 else 0
             belady = belady_hits(trace, total)
             results = {}
             for policy in args.policies.split(","):
-                result = replay(trace, policy, cpu_blocks, disk_blocks, work, stack)
+                result = replay(trace, policy, cpu_blocks, disk_blocks, work, stack, s3_blocks, args.gc_every)
                 local = result["hits"]["cpu"] + result["hits"]["disk"]
                 result.update(
                     policy=policy,
                     capacity=fraction,
                     cpu_blocks=cpu_blocks,
                     disk_blocks=disk_blocks,
+                    s3_blocks=s3_blocks,
                     belady_hits=belady,
                     local_hits=local,
                     of_belady=round(local / belady, 3) if belady else None,
@@ -276,11 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
                     if policy == "write_through":
                         continue
                     hits_ratio = result["local_hits"] / max(1, base["local_hits"])
+                    all_ratio = sum(result["hits"].values()) / max(1, sum(base["hits"].values()))
                     disk_ratio = base["disk_bytes"] / max(1, result["disk_bytes"])
                     s3_ratio = base["s3_bytes"] / max(1, result["s3_bytes"]) if args.s3 else None
                     print(
-                        f"  {fraction:.0%} {policy} vs write_through: hits x{hits_ratio:.2f}, "
-                        f"disk bytes 1/{disk_ratio:.1f}"
+                        f"  {fraction:.0%} {policy} vs write_through: CPU + disk hits x{hits_ratio:.2f}, "
+                        f"all hits x{all_ratio:.2f}, disk bytes 1/{disk_ratio:.1f}"
                         + (f", S3 bytes 1/{s3_ratio:.1f}" if s3_ratio else ""),
                         flush=True,
                     )

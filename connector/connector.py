@@ -22,7 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiercache.config import ConfigError, build_config
 from tiercache.index.block_hashing import BlockHashing, shareable_seed
 from tiercache.tiers import CPU, DISK, PEER, S3
-from tiercache.tiers.disk.tier import disk_root_problem
+from tiercache.tiers.disk.layout import disk_root_problem
 
 from .graphs import full_graphs
 from .guard import HookGuard

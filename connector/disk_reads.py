@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.errors import CorruptObject
-from tiercache.tiers.disk.tier import DiskPages, DiskTier
+from tiercache.tiers.disk.file_io import DiskPages
+from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import checksum_of, parse_parts, verify_pieces
 
 from .copier import LayerRegion

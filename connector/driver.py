@@ -390,9 +390,13 @@ class ConnectorDriver:
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the write-downs in flight, then report them to the scheduler."""
+        """Wait for the write-downs in flight, then report them to the scheduler (and,
+        under the selective policy, for the fleet's request counts to answer)."""
         flushed = self.engine.flush(timeout)
         self.deliver_reports()
+        fleet = self.policy.admission.fleet if self.policy.admission is not None else None
+        if fleet is not None:  # the fleet's counts of the requests so far, answered
+            flushed = fleet.wait(5.0 if timeout is None else timeout) and flushed
         return flushed
 
     def close(self) -> None:

@@ -25,11 +25,12 @@ from tiercache.index.keys import KVSpec
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
+from tiercache.index.request_counts import FLEET_COUNTS_REMEMBERED, FleetRequestCounts
 from tiercache.object_shape import ObjectShape
 from tiercache.policy import BlockPolicy, reads_disk_in_forward
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import slots_for
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.peer.agent import load_nixl
 
 from .cost_model import LoadCostModel
@@ -153,6 +154,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         self.s3_index = self.index if config.s3 is not None else None
         # How this instance is named in Redis (its presence, its workers' peer records).
         self.instance = config.instance_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._count_fleet_requests()
         # Once per vLLM instance, not once per TP rank's tier engine.
         for warning in unbounded_warnings(config):
             log.warning("tiercache: %s", warning)
@@ -200,6 +202,20 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         )
 
     # -- startup ------------------------------------------------------------------
+    def _count_fleet_requests(self) -> None:
+        """The selective policy's S3 admission counts requests across the fleet, in
+        Redis (tiercache/index/request_counts.py), where there is an S3 to admit to."""
+        admission, ttl = self.policy.admission, self.config.movers.selective_fleet_ttl_seconds
+        if admission is None or self.redis is None or self.s3_index is None or ttl <= 0:
+            return
+        admission.fleet = FleetRequestCounts(
+            self.redis,
+            self.model_digest,
+            ttl=ttl,
+            remembered=min(4 * self.slots.num_slots, FLEET_COUNTS_REMEMBERED),
+            popular_at=admission.everywhere_min_requests,
+        )
+
     def _scan_disk(self) -> None:
         """Blocks whose object exists on disk for every rank: the node's disk tier
         survives restarts, and this is how the scheduler learns what it holds."""
@@ -285,6 +301,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         """The engine shuts down: this instance's presence leaves Redis now."""
         if self.tier_events is not None and self.tier_events.presence is not None:
             self.tier_events.presence.close()
+        if self.policy.admission is not None and self.policy.admission.fleet is not None:
+            self.policy.admission.fleet.close()
 
     # -- new weights ------------------------------------------------------------------
     def reset_cache(self, *, vllm_cache_cleared: bool = True) -> bool:
@@ -370,9 +388,9 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             self._plan_stores(state, req_id, cached.num_computed_tokens[i], scheduler_output, meta)
         self._note_store_reads(meta)
         self._order_copies(scheduler_output, meta)
+        self.policy.queue_popular()
         # Write-backs found while planning stores this step still precede them.
         meta.write_backs.extend(self.policy.take_write_backs())
-        meta.write_back_tiers = self.policy.take_write_back_tiers()
         meta.write_back_tiers = self.policy.take_write_back_tiers()
         # A lookup is planned from only in the step it was made in (update_state_after_alloc).
         self._step += 1

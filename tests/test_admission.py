@@ -149,6 +149,38 @@ def test_s3_takes_only_blocks_asked_for_again(tmp_path, redis_url, s3_endpoint, 
         cache.close()
 
 
+def test_a_block_the_disk_takes_goes_to_s3_only_if_asked_for_again(tmp_path, redis_url, s3_endpoint, bucket):
+    """Each victim goes to its own tiers: while the disk has room a block asked for once
+    is written to disk and not to S3 (a merge once took the scheduler's list of tiers
+    twice in a step, the second time empty, and every victim went everywhere)."""
+    config = build_config(
+        {
+            "redis_url": redis_url,
+            "cpu": {"capacity": 2 * BLOCK},
+            "disk": {"path": str(tmp_path / "disk"), "capacity": 8 * OBJECT},
+            "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
+            "movers": {"policy": "selective", "cost_model": "off"},
+        },
+        environ={},
+    )
+    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
+    try:
+        put(cache, 0)  # asked for once
+        assert cache.get(block(1)) is None
+        put(cache, 1)  # asked for twice
+        put(cache, 2)
+        put(cache, 3)  # 0 and 1 are evicted
+        assert on_disk(cache) == {0, 1}
+        assert uploaded(cache) == {block(1)}
+    finally:
+        cache.close()
+
+
+def uploaded(cache: ConnectorDriver) -> set[bytes]:
+    s3, rank = cache.engine.s3, cache.shape.rank_digest
+    return {h for _, run, _, _ in s3.list_runs(rank) for h in s3.read_run_header(rank, run).block_hashes}
+
+
 def test_sketch_counts_and_forgets():
     sketch = FrequencySketch(capacity=64, sample_factor=10)
     for _ in range(3):

@@ -77,3 +77,20 @@ def test_trace_replay_runs_both_policies_through_the_connector(tmp_path):
         assert run["dropped"] == 0
     assert runs["selective"]["disk_writes"] < runs["write_through"]["disk_writes"]
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == len(lines)
+
+
+def test_trace_replay_keeps_its_s3_tier_under_capacity_with_the_gc(tmp_path):
+    """With --s3 the replay's S3 tier has a capacity its GC passes keep: write-through,
+    which uploads every block, has runs evicted, and every hit is counted per tier."""
+    fresh = iter(range(1000, 10**6))
+    lines = [{"hash_ids": [0, *(next(fresh) for _ in range(4))]} for _ in range(12)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = [str(trace), "--capacities", "0.25", "--s3", "--s3-capacity", "0.5", "--gc-every", "2"]
+    report = _trace_replay().main(args)
+    runs = {run["policy"]: run for run in report["runs"]}
+    assert report["distinct_blocks"] == 49
+    assert runs["write_through"]["s3_blocks"] == 6  # half of CPU + disk's 12 (25% of 49)
+    assert runs["write_through"]["gc_evicted_runs"] > 0
+    for run in runs.values():
+        assert sum(run["hits"].values()) <= report["infinite_hits"]

@@ -65,8 +65,8 @@ _KILLED_WRITER = textwrap.dedent(
     if how == "renamed":
         RootIndex.add = die  # the file is in place; the commit that counts it never comes
     else:
-        real = disk._write_all
-        disk._write_all = lambda fd, *parts: (real(fd, parts[0]), die())  # the header only
+        real = disk.write_all
+        disk.write_all = lambda fd, *parts: (real(fd, parts[0]), die())  # the header only
     put(tier, 5000)
     """
 )

@@ -18,7 +18,7 @@ import pytest
 
 from tiercache.ops.tiny_model import write_tiny_llama
 from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 
 from support.faulty_connector import FAULTS_ENV
 

@@ -21,7 +21,7 @@ from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import RedisIndex
 from tiercache.tiers import CPU, DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk.tier import TMP_PREFIX
+from tiercache.tiers.disk.layout import TMP_PREFIX
 
 BLOCK = 64 * 1024
 
@@ -265,7 +265,7 @@ def test_full_disk_drops_stores_while_cpu_hits_continue(stack, monkeypatch):
     def no_space(fd, *parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_module, "_write_all", no_space)
+    monkeypatch.setattr(disk_module, "write_all", no_space)
     full = metric("tiercache_tier_errors_total", {"tier": "disk", "kind": "disk_full"})
     results: list = []
     engine = cache.engine

@@ -17,6 +17,7 @@ from tiercache.index.redis_index import (
     RunRecord,
     blocks_key,
     parse_location,
+    run_hits_key,
     runs_key,
 )
 from tiercache.tiers.cpu import CpuBuffer
@@ -166,6 +167,38 @@ def test_gc_keeps_namespace_under_capacity_oldest_first(redis, redis_url, real_s
     # A second pass has nothing to do.
     again = run_gc(config)
     assert again["evicted_objects"] == 0 and again["orphans"]["deleted"] == 0
+
+
+def test_gc_spares_runs_hit_lately_once(redis, redis_url, real_s3_endpoint, real_bucket):
+    """GC by last access and hits: the oldest run, hit by a lookup since, outlasts a
+    newer run never read, once per hit (halved)."""
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=2 * OBJECT)
+    hashes = blocks(3)
+    dep = store(config, hashes)
+    set_ages(redis, dep, hashes)
+    index, rank = RedisIndex(redis), dep.rank_digests[0]
+    # A lookup that finds the oldest block counts a hit on its run (and touches it)...
+    assert index.longest_prefix(dep.model_digest, dep.rank_digests, [hashes[0]]) == 1
+    set_ages(redis, dep, hashes)  # ...which stays the oldest by last access here
+
+    report = run_gc(config)
+
+    assert report["spared_hit"] == 1
+    assert indexed(redis, dep) == {hashes[0], hashes[2]}  # the newer, unread hashes[1] went
+    hits_key = run_hits_key(dep.model_digest, rank)
+    assert redis.client.hlen(hits_key) == 0  # one hit, halved: none left to spare it again
+
+    # Spared, it went to the recent end: the next pass takes hashes[2] (older by last
+    # access, and never read) before it.
+    config = make_config(redis_url, real_s3_endpoint, real_bucket, capacity=1 * OBJECT)
+    assert run_gc(config)["spared_hit"] == 0
+    assert indexed(redis, dep) == {hashes[0]}
+
+    # An unindexed run takes its count with it.
+    assert index.longest_prefix(dep.model_digest, dep.rank_digests, [hashes[0]]) == 1
+    assert redis.client.hlen(hits_key) == 1
+    flush_namespace(config, config.namespace)
+    assert redis.client.exists(hits_key) == 0
 
 
 def test_gc_evicts_across_tp_ranks_and_deployments(redis, redis_url, real_s3_endpoint, real_bucket):

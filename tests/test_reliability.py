@@ -32,7 +32,7 @@ from tiercache.ops.local_stack import RedisServer, create_bucket
 from tiercache.ops.tiny_model import write_tiny_llama
 from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.format import CorruptObject, check_digest, checksum, decode_header, header_length
 from tiercache.tiers.s3.gc import run_gc
 from tiercache.tiers.s3.runs import check_run_bytes, run_object_name

@@ -25,7 +25,8 @@ from tiercache.config import S3TierConfig
 from tiercache.index.keys import split_key
 from tiercache.tiers.cpu import CpuBuffer, CpuTierFull, SlotAllocator, slots_for
 from tiercache.tiers.disk.index import INDEX_DIR, INDEX_FILE, RootIndex
-from tiercache.tiers.disk.tier import SUFFIX, TMP_PREFIX, DiskTier
+from tiercache.tiers.disk.layout import SUFFIX, TMP_PREFIX
+from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import DATA_ALIGN, ObjectHeader, checksum
 from tiercache.tiers.s3.runs import RunGeometry
 from tiercache.tiers.s3.tier import Fetch, ObjectBody, S3Tier
@@ -243,7 +244,7 @@ def test_disk_o_direct_full_disk_is_a_dropped_store(tmp_path, monkeypatch):
     buffer = CpuBuffer(1, BLOCK, pin_memory=False)
     buffer.view(0)[:] = payload(3)
     tier = DiskTier(tmp_path, 1 << 30, o_direct=True)
-    monkeypatch.setattr(disk_module, "_write_all", no_space)
+    monkeypatch.setattr(disk_module, "write_all", no_space)
     before = errors("disk", "disk_full")
     assert not tier.put(key_of(3), buffer.view(0), header_for(key_of(3), payload(3)))
     assert errors("disk", "disk_full") == before + 1
@@ -535,7 +536,7 @@ _SLOW_WRITER = textwrap.dedent(
                 view = view[written:]
                 time.sleep(0.02)
 
-    disk._write_all = slow_write_all
+    disk.write_all = slow_write_all
     print("writing", flush=True)
     put(tier, 2, 64 << 20)  # about 20 s at this pace: killed long before
     print("finished", flush=True)

@@ -16,7 +16,11 @@ S3; in production traces most of them are never asked for again. Here:
   by at least `disk_min_requests` requests and is no less popular than the disk's
   least recently used block, which it then displaces (TinyLFU's comparison, so the
   bar rises and falls with the capacity); to S3 if it was asked for by at least
-  `s3_min_requests` requests.
+  `s3_min_requests` requests, on this node or across the fleet (`fleet`, counts kept
+  in Redis with a TTL: tiercache/index/request_counts.py).
+- A block asked for by at least `everywhere_min_requests` requests (a system prompt
+  every request shares) goes to the disk and S3 as soon as its CPU slot is filled
+  (`take_popular`), rather than when the CPU tier evicts it.
 
 All of it lives in the connector's scheduler half, which sees every request; the
 worker is told per victim which tiers to write (`TierCacheMetadata.write_back_tiers`)."""
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tiercache.object_shape import ObjectShape
@@ -33,6 +36,7 @@ from tiercache.tiers import DISK, S3
 
 if TYPE_CHECKING:
     from tiercache.config import TierCacheConfig
+    from tiercache.index.request_counts import FleetRequestCounts
 
 __all__ = ["Admission", "FrequencySketch", "admission_for"]
 
@@ -99,22 +103,75 @@ class Admission:
         protected_share: float,
         disk_min_requests: int,
         s3_min_requests: int,
+        everywhere_min_requests: int = 0,
+        lower_tiers: tuple[str, ...] = (DISK, S3),
     ):
+        self.lower_tiers = lower_tiers
         self.sketch = FrequencySketch(cpu_slots + disk_blocks)
         self.protected_limit = int(cpu_slots * protected_share)
         self.disk_blocks = disk_blocks
         self.disk_min_requests = disk_min_requests
         self.s3_min_requests = s3_min_requests
         self.protected: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        # 0: never at once (nor with no tier below the CPU tier's to go to).
+        self.everywhere_min_requests = everywhere_min_requests if lower_tiers else 0
+        # The fleet's counts (set by the scheduler where Redis and S3 are configured).
+        self.fleet: FleetRequestCounts | None = None
+        # Blocks popular enough to go everywhere at once, and the steps each has waited
+        # for its CPU slot to be filled; and those sent (not sent again while remembered).
+        self.popular: OrderedDict[bytes, int] = OrderedDict()
+        self._sent_everywhere: OrderedDict[bytes, None] = OrderedDict()
+        self._remembered = max(64, cpu_slots)
 
     # -- evidence -------------------------------------------------------------------
-    def requested(self, blocks: Iterable[bytes]) -> None:
+    def requested(self, blocks: list[bytes]) -> None:
         """A request asks for these blocks (counted once per request)."""
+        sketch, popular_at = self.sketch, self.everywhere_min_requests
         for block in blocks:
-            self.sketch.add(block)
+            sketch.add(block)
+            if popular_at and sketch.estimate(block) == popular_at:
+                self._popular(block)
+        if self.fleet is not None:
+            self.fleet.requested(blocks)
 
     def requests_for(self, block: bytes) -> int:
+        """Requests that asked for `block` lately, on this node."""
         return self.sketch.estimate(block)
+
+    def fleet_requests_for(self, block: bytes) -> int:
+        """The same across the fleet, as far as this node knows (never less than its own)."""
+        local = self.sketch.estimate(block)
+        return max(local, self.fleet.count(block)) if self.fleet is not None else local
+
+    # -- everywhere at once ---------------------------------------------------------
+    def _popular(self, block: bytes) -> None:
+        if block not in self._sent_everywhere and block not in self.popular:
+            self.popular[block] = 0
+            while len(self.popular) > self._remembered:
+                self.popular.popitem(last=False)
+
+    def take_popular(self) -> list[bytes]:
+        """The popular blocks to look at this step (the fleet's newly popular joined)."""
+        if self.fleet is not None:
+            for block in self.fleet.take_popular():
+                self._popular(block)
+        return list(self.popular)
+
+    def sent_everywhere(self, block: bytes) -> None:
+        self.popular.pop(block, None)
+        self._sent_everywhere[block] = None
+        while len(self._sent_everywhere) > self._remembered:
+            self._sent_everywhere.popitem(last=False)
+
+    def still_waiting(self, block: bytes, most_steps: int) -> None:
+        """`block` is not in a filled CPU slot yet: given up after `most_steps` steps."""
+        waited = self.popular.get(block)
+        if waited is None:
+            return
+        if waited >= most_steps:
+            del self.popular[block]
+        else:
+            self.popular[block] = waited + 1
 
     # -- the CPU tier ----------------------------------------------------------------
     def hit(self, block: bytes) -> list[bytes]:
@@ -144,7 +201,7 @@ class Admission:
         tiers: list[str] = []
         if self.disk_blocks and (disk_held < self.disk_blocks or self._displaces(asked, disk_victim)):
             tiers.append(DISK)
-        if asked >= self.s3_min_requests:
+        if S3 in self.lower_tiers and self.fleet_requests_for(block) >= self.s3_min_requests:
             tiers.append(S3)
         return tuple(tiers)
 
@@ -157,6 +214,8 @@ class Admission:
 
     def clear(self) -> None:
         self.protected.clear()
+        self.popular.clear()
+        self._sent_everywhere.clear()
 
 
 def admission_for(config: TierCacheConfig, cpu_slots: int, slot_bytes: int) -> Admission | None:
@@ -169,10 +228,13 @@ def admission_for(config: TierCacheConfig, cpu_slots: int, slot_bytes: int) -> A
         return None
     object_bytes = ObjectShape("0" * 16, "0" * 16, slot_bytes).object_bytes
     disk_blocks = config.disk.capacity // object_bytes if config.disk is not None else 0
+    lower = ((DISK,) if config.disk is not None else ()) + ((S3,) if config.s3 is not None else ())
     return Admission(
         cpu_slots,
         disk_blocks,
         protected_share=movers.selective_protected_share,
         disk_min_requests=movers.selective_disk_min_requests,
         s3_min_requests=movers.selective_s3_min_requests,
+        everywhere_min_requests=movers.selective_everywhere_min_requests,
+        lower_tiers=lower,
     )

@@ -268,7 +268,22 @@ class MoverConfig(_Strict):
         ge=1,
         le=15,
         description="selective: a block the CPU tier evicts is written to S3 only if this many requests "
-        "asked for it lately",
+        "asked for it lately, on this node or (with redis_url) across the fleet",
+    )
+    selective_everywhere_min_requests: int = Field(
+        default=8,
+        ge=0,
+        le=1_000_000,
+        description="selective: a block asked for by this many requests lately (on this node, or across "
+        "the fleet) is written to the disk and S3 as soon as it is in the CPU tier, not when evicted "
+        "(0: never; above 15 only the fleet's counts can reach it)",
+    )
+    selective_fleet_ttl_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        le=86_400,
+        description="selective, with redis_url and S3: how long a request counts in the fleet-wide request "
+        "counts kept in Redis (between this and twice this); 0: each node counts only its own requests",
     )
     queue_depth: int = Field(
         default=1024,

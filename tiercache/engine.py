@@ -24,7 +24,8 @@ from tiercache.metrics import MOVER_DROPPED, MOVER_QUEUE
 from tiercache.object_shape import ObjectShape
 from tiercache.tiers import DISK, S3
 from tiercache.tiers.cpu import CpuBuffer
-from tiercache.tiers.disk.tier import DiskPages, DiskTier
+from tiercache.tiers.disk.file_io import DiskPages
+from tiercache.tiers.disk.tier import DiskTier
 from tiercache.tiers.format import ObjectHeader
 from tiercache.tiers.s3.reader import S3Reader
 from tiercache.tiers.s3.run_packer import RunPacker

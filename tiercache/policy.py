@@ -137,6 +137,25 @@ class BlockPolicy:
                         self._write_back_tiers[evicted] = tiers
         return slot
 
+    def queue_popular(self, most_steps: int = 8) -> None:
+        """The selective policy's popular blocks (a system prompt every request shares)
+        go to the lower tiers as soon as their CPU slot is filled: queued as write-backs
+        of a slot that stays, which the worker copies out at its next step's start. A
+        block still being filled waits up to `most_steps` steps."""
+        admission = self.admission
+        if admission is None:
+            return
+        for block in admission.take_popular():
+            if block in self.ready:
+                tiers = tuple(t for t in admission.lower_tiers if not (t == DISK and block in self.on_disk))
+                slot = self.slots.slot_of(block)
+                if tiers and slot is not None:
+                    self._write_backs.append((block, slot))
+                    self._write_back_tiers[block] = tiers
+                admission.sent_everywhere(block)
+            else:
+                admission.still_waiting(block, most_steps)
+
     def take_write_backs(self) -> list[tuple[bytes, int]]:
         victims, self._write_backs = self._write_backs, []
         return victims

@@ -30,6 +30,7 @@ from tiercache.index.redis_index import (
     blocks_key,
     index_keys,
     parse_location,
+    run_hits_key,
 )
 from tiercache.metrics import LEASE_CONFLICTS
 
@@ -106,16 +107,17 @@ _READ_RELEASE = """
 for _, key in ipairs(KEYS) do redis.call('ZREM', key, ARGV[1]) end
 return 1
 """
-# KEYS: block hash, runs zset, run records, the run's read-lease zset. ARGV: run id, now_ms.
-# Unindexes a whole run unless a read lease on it is live: every block still located
-# in it (a block published again in a newer run since stays), its record and its
-# last access. Returns the blocks removed, -1 when leased, -2 when not indexed.
+# KEYS: block hash, runs zset, run records, the run's read-lease zset, run hits.
+# ARGV: run id, now_ms. Unindexes a whole run unless a read lease on it is live: every
+# block still located in it (a block published again in a newer run since stays), its
+# record, its last access and its hits. Returns the blocks removed, -1 when leased, -2 when not indexed.
 _GC_UNINDEX = (
     """
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[2])
 if redis.call('ZCARD', KEYS[4]) > 0 then return -1 end
 local record = redis.call('HGET', KEYS[3], ARGV[1])
 local ranked = redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 if not record then
   if ranked == 1 then return 0 end
   return -2
@@ -239,7 +241,8 @@ class Leases:
     def gc_unindex_run(self, model: str, rank: str, run_id: bytes) -> int:
         """Unindex a whole run unless it is read-leased: the blocks removed (>= 0), -1
         leased (it stays), -2 not indexed (someone else removed it)."""
-        keys = [*index_keys(model, rank), read_lease_key(model, rank, run_id.hex())]
+        lease = read_lease_key(model, rank, run_id.hex())
+        keys = [*index_keys(model, rank), lease, run_hits_key(model, rank)]
         return int(self._run("gc", _GC_UNINDEX, keys, [run_id, int(time.time() * 1000)]))
 
 

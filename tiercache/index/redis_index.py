@@ -8,6 +8,8 @@ is one round trip, in Redis Cluster too):
   tc:{<model_digest>}:runs:<rank_digest>  ZSET  run id -> last access (any of its blocks)
   tc:{<model_digest>}:run:<rank_digest>   HASH  run id -> RunRecord: where its frames lie and
                                                 its blocks' hashes (GC unindexes a run whole)
+  tc:{<model_digest>}:hits:<rank_digest>  HASH  run id -> lookups that found any of its blocks
+                                                since GC last spared it (absent: none)
   tc:registry                             HASH  model_digest -> JSON describing the deployment
 
 A block costs one HASH field (about 110 bytes of Redis) plus its share of its run's
@@ -36,24 +38,33 @@ _POSITION = struct.Struct(">H")
 _RECORD = struct.Struct(">IIQB")
 
 # Lua shared by the lookup scripts: give runs (`args`: now, run, now, run, ...) their
-# last access in a runs ZSET, only those already there, a bounded number a call.
-_TOUCH_RUNS = """
-local function touch_runs(key, args)
+# last access in a runs ZSET, only those already there, a bounded number a call, and
+# count a hit for each in the hits HASH (GC spares a run hit lately once, tiers/s3/gc.py).
+# Every run passed holds a block just found in the block HASH, so it is indexed: the
+# count never outlives its run (GC's unindex drops both at once).
+_TOUCH_RUNS = (
+    """
+local function touch_runs(key, hits_key, args)
   local i = 1
   while i <= #args do
     local last = math.min(#args, i + %d - 1)
     redis.call('ZADD', key, 'XX', unpack(args, i, last))
     i = last + 1
   end
+  for j = 2, #args, 2 do redis.call('HINCRBY', hits_key, args[j], 1) end
 end
-""" % _CHUNK
+"""
+    % _CHUNK
+)
 
-# KEYS: per rank, its block HASH then its runs ZSET. ARGV: now, touch (0/1), member
+# KEYS: per rank, its block HASH, its runs ZSET, its hits HASH. ARGV: now, touch (0/1), member
 # length, members concatenated into one string. One argument rather than thousands:
 # packing and unpacking a few thousand arguments costs both sides more than the
 # lookup itself. Returns how many leading members are present in every rank's HASH;
 # with touch, the runs holding them get `now` as their last access.
-_LOOKUP = _TOUCH_RUNS + """
+_LOOKUP = (
+    _TOUCH_RUNS
+    + """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
 local width = tonumber(ARGV[3])
@@ -67,7 +78,7 @@ local function upto(last)
 end
 local found = n
 local locs = {}
-for r = 1, #KEYS, 2 do
+for r = 1, #KEYS, 3 do
   local key = KEYS[r]
   locs[r] = {}
   local i = 1
@@ -87,7 +98,7 @@ for r = 1, #KEYS, 2 do
   if found == 0 then return 0 end
 end
 if touch then
-  for r = 1, #KEYS, 2 do
+  for r = 1, #KEYS, 3 do
     local seen = {}
     local args = {}
     for j = 1, found do
@@ -98,23 +109,27 @@ if touch then
         args[#args + 1] = run
       end
     end
-    touch_runs(KEYS[r + 1], args)
+    touch_runs(KEYS[r + 1], KEYS[r + 2], args)
   end
 end
 return found
-""" % (_CHUNK, RUN_ID_BYTES)
+"""
+    % (_CHUNK, RUN_ID_BYTES)
+)
 
 
 # KEYS: as _LOOKUP. ARGV: now, touch (0/1), then per probe: member length, prefix
 # (0/1), members concatenated. Returns per probe a string of '1' (every rank holds the
 # member) and '0'; a prefix probe is read up to its first miss only, and its string
 # ends there. With touch, the runs holding any member found get `now`.
-_PRESENCE = _TOUCH_RUNS + """
+_PRESENCE = (
+    _TOUCH_RUNS
+    + """
 local now = ARGV[1]
 local touch = ARGV[2] == '1'
 local answers = {}
 local runs = {}
-for r = 1, #KEYS, 2 do runs[r] = {} end
+for r = 1, #KEYS, 3 do runs[r] = {} end
 for p = 1, (#ARGV - 2) / 3 do
   local width = tonumber(ARGV[3 * p])
   local prefix = ARGV[3 * p + 1] == '1'
@@ -127,7 +142,7 @@ for p = 1, (#ARGV - 2) / 3 do
   end
   local asked, answered = n, n
   local locs = {}
-  for r = 1, #KEYS, 2 do
+  for r = 1, #KEYS, 3 do
     locs[r] = {}
     local i = 1
     while i <= asked do
@@ -152,7 +167,7 @@ for p = 1, (#ARGV - 2) / 3 do
   for i = 1, answered do
     if held[i] then
       out[i] = '1'
-      for r = 1, #KEYS, 2 do runs[r][string.sub(locs[r][i], 1, %d)] = true end
+      for r = 1, #KEYS, 3 do runs[r][string.sub(locs[r][i], 1, %d)] = true end
     else
       out[i] = '0'
     end
@@ -160,17 +175,36 @@ for p = 1, (#ARGV - 2) / 3 do
   answers[p] = table.concat(out)
 end
 if touch then
-  for r = 1, #KEYS, 2 do
+  for r = 1, #KEYS, 3 do
     local args = {}
     for run in pairs(runs[r]) do
       args[#args + 1] = now
       args[#args + 1] = run
     end
-    touch_runs(KEYS[r + 1], args)
+    touch_runs(KEYS[r + 1], KEYS[r + 2], args)
   end
 end
 return answers
-""" % (_CHUNK, RUN_ID_BYTES)
+"""
+    % (_CHUNK, RUN_ID_BYTES)
+)
+
+# KEYS: runs ZSET, hits HASH. ARGV: now, then per run: run id, hits kept. A run no
+# longer indexed (another pass took it) is left alone, so no count outlives its run.
+_SPARE = """
+for i = 2, #ARGV, 2 do
+  local run = ARGV[i]
+  if redis.call('ZSCORE', KEYS[1], run) then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], run)
+    if ARGV[i + 1] == '0' then
+      redis.call('HDEL', KEYS[2], run)
+    else
+      redis.call('HSET', KEYS[2], run, ARGV[i + 1])
+    end
+  end
+end
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -257,6 +291,19 @@ def run_records_key(model_digest: str, rank_digest: str) -> str:
     return f"tc:{{{model_digest}}}:run:{rank_digest}"
 
 
+def run_hits_key(model_digest: str, rank_digest: str) -> str:
+    return f"tc:{{{model_digest}}}:hits:{rank_digest}"
+
+
+def lookup_keys(model_digest: str, rank_digest: str) -> tuple[str, str, str]:
+    """What a lookup reads and touches: the block HASH, the runs ZSET, the hits HASH."""
+    return (
+        blocks_key(model_digest, rank_digest),
+        runs_key(model_digest, rank_digest),
+        run_hits_key(model_digest, rank_digest),
+    )
+
+
 def legacy_index_key(model_digest: str, rank_digest: str) -> str:
     """The per-block ZSET tiercache kept before runs: never read now; GC
     deletes what is left of it."""
@@ -300,7 +347,7 @@ class RedisIndex:
         if not block_hashes:
             return 0
         LOOKUP_BLOCKS.inc(len(block_hashes))
-        keys = [key for digest in rank_digests for key in index_keys(model_digest, digest)[:2]]
+        keys = [key for digest in rank_digests for key in lookup_keys(model_digest, digest)]
         widths = set(map(len, block_hashes))
         if len(widths) != 1 or 0 in widths:
             # The script splits one string into equal parts: a mixed list (never seen
@@ -334,7 +381,7 @@ class RedisIndex:
         that miss. Raises RedisUnavailable (the caller counts misses)."""
         if not probes:
             return []
-        keys = [key for digest in rank_digests for key in index_keys(model_digest, digest)[:2]]
+        keys = [key for digest in rank_digests for key in lookup_keys(model_digest, digest)]
         args: list = [repr(time.time()), "1" if touch else "0"]
         for hashes, prefix in probes:
             # One width per probe: a mixed list (never seen from vLLM) is asked as far
@@ -388,6 +435,28 @@ class RedisIndex:
         key = runs_key(model_digest, rank_digest)
         return self.redis.call("oldest", lambda: self.redis.client.zrange(key, 0, n - 1, withscores=True))
 
+    def run_hits(self, model_digest: str, rank_digest: str, run_ids: Sequence[bytes]) -> list[int]:
+        """Per run, the lookups that found it since GC last spared it."""
+        if not run_ids:
+            return []
+        key = run_hits_key(model_digest, rank_digest)
+        raw = self.redis.call("hits", lambda: self.redis.client.hmget(key, list(run_ids)))
+        return [int(value) if value else 0 for value in raw]
+
+    def spare(
+        self, model_digest: str, rank_digest: str, spared: Sequence[tuple[bytes, int]], now: float
+    ) -> None:
+        """GC's second chance for runs hit lately (`spared`: run id, its hits): each
+        still indexed goes to the recent end of the runs ZSET and keeps half its hits."""
+        if not spared:
+            return
+        keys = [runs_key(model_digest, rank_digest), run_hits_key(model_digest, rank_digest)]
+        args: list = [repr(now)]
+        for run, count in spared:
+            args += [run, count // 2]
+        script = self.redis.script(_SPARE)
+        self.redis.call("spare", lambda: script(keys=keys, args=args))
+
     def members(self, model_digest: str, rank_digest: str) -> list[bytes]:
         """Every block hash indexed for one rank."""
         key = blocks_key(model_digest, rank_digest)
@@ -416,6 +485,7 @@ class RedisIndex:
             for rank in ranks:  # one key per call: ranks share a slot, but DEL per key is simplest
                 for key in (
                     *index_keys(deployment.model_digest, rank),
+                    run_hits_key(deployment.model_digest, rank),
                     legacy_index_key(deployment.model_digest, rank),
                 ):
                     self.redis.client.delete(key)

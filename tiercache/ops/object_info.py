@@ -139,7 +139,7 @@ def inspect_file(path: Path, console: Console, integrity_key: bytes | None = Non
 
 
 def _disk_report(config: TierCacheConfig, key: str) -> tuple[str, bool]:
-    from tiercache.tiers.disk.tier import DiskLayout
+    from tiercache.tiers.disk.layout import DiskLayout
 
     assert config.disk is not None  # called only with a disk tier
     path = Path(DiskLayout(config.disk.path).path(key))
@@ -286,7 +286,7 @@ def inspect_prompt(token_ids: list[int], config: TierCacheConfig, block_size: in
     """Where the longest cached prefix of a prompt lives, per deployment and tier."""
     from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
     from tiercache.index.redis_index import RedisIndex
-    from tiercache.tiers.disk.tier import DiskLayout
+    from tiercache.tiers.disk.layout import DiskLayout
     from tiercache.tiers.s3.passes import registered_deployments
 
     try:

@@ -12,21 +12,30 @@ import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
 import shutil
 import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from stat import S_IMODE
 
 from tiercache.index.keys import split_key
 from tiercache.metrics import TIER_CAPACITY, TIER_ERRORS, TIER_EVICTIONS, TIER_USAGE, timed
 from tiercache.tiers import DISK
-from tiercache.tiers.disk.index import RootIndex, index_exists
+from tiercache.tiers.disk.file_io import DiskPages, is_aligned, write_all
+from tiercache.tiers.disk.index import RootIndex
+from tiercache.tiers.disk.layout import (
+    FILE_MODE,
+    TMP_PREFIX,
+    DiskLayout,
+    clear_stale_temp,
+    close_folders,
+    make_private_dirs,
+    prepare_root,
+    unlink,
+)
 from tiercache.tiers.format import (
     DATA_ALIGN,
     CorruptObject,
@@ -47,127 +56,12 @@ LINGER_SHARE = 32  # one 32nd
 
 log = logging.getLogger(__name__)
 TIER = DISK
-SUFFIX = ".safetensors"
-TMP_PREFIX = ".tmp-"
-# KV bytes can be inverted into the prompts that made them: objects, temp files and
-# the folders that hold them are the owner's alone, whatever the process umask.
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-_DIGEST_DIR = re.compile(r"^[0-9a-f]{16}$")
 # Reads write their recency to the root's index at least this often (seconds).
 SYNC_SECONDS = 1.0
 # How long a finding that a digest is unused is trusted (seconds).
 UNUSED_RECHECK_SECONDS = 1.0
 # Objects looked at per query while evicting.
 _EVICT_BATCH = 64
-
-
-class DiskLayout:
-    """Where a disk tier root keeps what: the one place that knows the layout, for the
-    tier itself and for everyone who reads the folder without owning it (the
-    scheduler's scan at start, the service's stats and lookups, GC's flush, inspect).
-
-        <root>/<rank digest>/<first 2 hex of the block>/<block hash hex>.safetensors
-        <root>/<rank digest>/<xx>/.tmp-<pid>-<random>-<block hash hex>.safetensors
-        <root>/.tiercache/                 the root's index (tiers/disk/index.py)
-
-    The two-hex fan-out keeps folders small. A temp file's name is unique (the pid
-    is there for people reading the folder); its writer holds a lock on it until
-    the rename, which is how a dead writer's leftovers are told from a live one's."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self._root = str(self.root)
-
-    def path(self, key: str) -> str:
-        """The file of `key`. A plain string: on the hot path pathlib costs more than
-        the syscalls. ValueError for a key that is not `<hex digest>/<hex block>`, so
-        no key can name a path outside the root."""
-        digest, block = split_key(key)
-        return f"{self._root}/{digest}/{block[:2]}/{block}{SUFFIX}"
-
-    def holds(self, key: str) -> bool:
-        """Whether `key`'s object is there (False for a malformed key)."""
-        try:
-            return os.path.isfile(self.path(key))
-        except ValueError:
-            return False
-
-    def digest_dir(self, digest: str) -> Path:
-        return self.root / digest
-
-    @staticmethod
-    def temp_path(path: str) -> str:
-        """The name an object is written under before its rename to `path`, never
-        shared by two writers (of one process, or of containers whose pids collide)."""
-        folder, name = os.path.split(path)
-        return f"{folder}/{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{name}"
-
-    @staticmethod
-    def block_of(name: str) -> str | None:
-        """The block hash (hex) object file `name` holds; None for a temp file or
-        anything else."""
-        if name.startswith(TMP_PREFIX) or not name.endswith(SUFFIX):
-            return None
-        return name[: -len(SUFFIX)]
-
-    def digests(self) -> list[str]:
-        """The rank digests with a folder under the root (links are not followed)."""
-        try:
-            with os.scandir(self.root) as entries:
-                return sorted(
-                    e.name for e in entries if _DIGEST_DIR.match(e.name) and e.is_dir(follow_symlinks=False)
-                )
-        except OSError:
-            return []
-
-    def files(self, digest: str) -> Iterator[os.DirEntry]:
-        """Every file in `digest`'s fan-out folders: objects, temp files and strays.
-        A folder that cannot be read, or vanishes meanwhile, is passed over."""
-        with contextlib.suppress(OSError), os.scandir(self.digest_dir(digest)) as shards:
-            for shard in shards:
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                with contextlib.suppress(OSError), os.scandir(shard.path) as entries:
-                    yield from entries
-
-    def objects(self, digest: str) -> Iterator[tuple[str, os.DirEntry]]:
-        """(block hash hex, file) for each object of `digest`, temp files skipped."""
-        for entry in self.files(digest):
-            block = self.block_of(entry.name)
-            if block is not None:
-                yield block, entry
-
-    def usage(self) -> dict[str, tuple[int, int]]:
-        """Objects and bytes per rank digest under the root."""
-        found: dict[str, tuple[int, int]] = {}
-        for digest in self.digests():
-            objects = size = 0
-            for _, entry in self.objects(digest):
-                with contextlib.suppress(OSError):
-                    size += entry.stat(follow_symlinks=False).st_size
-                    objects += 1
-            found[digest] = (objects, size)
-        return found
-
-    def remove_digest(self, digest: str) -> int:
-        """Delete every file of `digest`, and its entries in the root's index; the
-        number of objects there were."""
-        folder = self.digest_dir(digest)
-        if not folder.is_dir():
-            return 0
-        count = sum(1 for _ in self.objects(digest))
-        if not index_exists(self.root):
-            shutil.rmtree(folder, ignore_errors=True)
-            return count
-        index = RootIndex(self.root)
-        try:
-            with index.write():  # the tiers on the root see it whole, or not yet
-                index.remove_digest(digest, "flush")
-                shutil.rmtree(folder, ignore_errors=True)
-        finally:
-            index.close()
-        return count
 
 
 class DiskTier:
@@ -245,7 +139,7 @@ class DiskTier:
         unused digests that hold nothing. Then evict down to the capacity."""
         found: dict[str, tuple[str, int, float]] = {}
         for digest in self.layout.digests():
-            _close_folders(self.layout.digest_dir(digest))
+            close_folders(self.layout.digest_dir(digest))
             for entry in self.layout.files(digest):
                 if entry.name.startswith(TMP_PREFIX):
                     clear_stale_temp(entry.path)
@@ -336,7 +230,7 @@ class DiskTier:
                 try:
                     fd = self._write(tmp, preamble, data)
                 except FileNotFoundError:  # the object's folder does not exist yet
-                    _make_private_dirs(os.path.dirname(path))
+                    make_private_dirs(os.path.dirname(path))
                     fd = self._write(tmp, preamble, data)
                 with self.index.write() as index:
                     removed += self._sync(index)
@@ -385,7 +279,7 @@ class DiskTier:
         """Write the object to `tmp`, a new file. Returns its descriptor, still open
         and holding the file's lock: the lock tells a cleaner that a live writer owns
         the file, until the rename (see clear_stale_temp)."""
-        direct = self.o_direct and _aligned(data)
+        direct = self.o_direct and is_aligned(data)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, FILE_MODE)  # the umask can only narrow it
         try:
@@ -401,9 +295,9 @@ class DiskTier:
                 # would fail while a failed write's traceback still holds a view.
                 aligned = mmap.mmap(-1, len(preamble))
                 aligned.write(preamble)
-                _write_all(fd, aligned, data)
+                write_all(fd, aligned, data)
             else:
-                _write_all(fd, preamble, data)
+                write_all(fd, preamble, data)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -447,7 +341,7 @@ class DiskTier:
             if oldest is None:
                 return
             if not index.has(oldest[0]):
-                _unlink(self.layout.path(oldest[0]))
+                unlink(self.layout.path(oldest[0]))
 
     def _sweep(self, index: RootIndex, now: bool = False) -> bool:
         """(Inside index.write().) Reclaim what tiers no longer running left on the
@@ -470,11 +364,11 @@ class DiskTier:
                 clear_stale_temp(tmp)
                 index.end_write(tmp)
                 if not index.has(key) and not index.is_lingering(key):
-                    _unlink(self.layout.path(key))  # renamed, never counted
+                    unlink(self.layout.path(key))  # renamed, never counted
                 reclaimed = True
             while (gone := index.oldest_lingering(name)) is not None:
                 if not index.has(gone[0]):
-                    _unlink(self.layout.path(gone[0]))
+                    unlink(self.layout.path(gone[0]))
                 reclaimed = True
             index.forget_tier(name)
             if reclaimed:
@@ -670,11 +564,11 @@ class DiskTier:
             with self.index.write() as index:
                 counted = index.remove(key, self._name)
                 index.stop_lingering(key)
-                unlinked = _unlink(path)
+                unlinked = unlink(path)
                 TIER_USAGE.labels(TIER).set(index.on_disk())
         except sqlite3.Error as error:
             log.warning("disk tier: could not update the index for the removal of %s: %s", key, error)
-            unlinked = _unlink(path)  # its entry goes once found gone
+            unlinked = unlink(path)  # its entry goes once found gone
             with self._lock:
                 self._lost.add(key)
         if counted is not None or unlinked:
@@ -706,7 +600,7 @@ class DiskTier:
                 # No load is planned from this tier any more.
                 while (gone := index.oldest_lingering(self._name)) is not None:
                     if not index.has(gone[0]):
-                        _unlink(self.layout.path(gone[0]))
+                        unlink(self.layout.path(gone[0]))
             self._report(removed)
         while self._held:
             os.close(self._held.pop())
@@ -721,48 +615,10 @@ class DiskTier:
             os.utime(self.path_of(key), (now, now))
 
 
-class DiskPages:
-    """One object open for reading, its header checked: the pages are read piece by
-    piece at offsets into them. The file stays readable while open, even if the tier
-    evicts it meanwhile (the unlink frees it at the close)."""
-
-    def __init__(self, key: str, fd: int, header: ObjectHeader, offset: int):
-        self.key = key
-        self.header = header
-        self._fd = fd
-        self._offset = offset  # of the pages in the file
-
-    def read(self, at: int, views: list[memoryview]) -> None:
-        """Fill `views`, in order, from the pages' byte `at` on; CorruptObject where
-        the file ends first."""
-        views = [view for view in views if len(view)]
-        while views:
-            got = os.preadv(self._fd, views, self._offset + at)
-            if got == 0:
-                raise CorruptObject(f"object {self.key} truncated before byte {at} of its pages")
-            at += got
-            while views and got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
-            if got:
-                views[0] = views[0][got:]
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 def _close_tier(index: RootIndex, held: list[int]) -> None:
     while held:
         os.close(held.pop())  # the digest's lock goes with it
     index.close()
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except OSError:
-        return False
-    return True
 
 
 def _needed(victims: list[tuple[str, str, int]], over: int) -> int:
@@ -773,93 +629,3 @@ def _needed(victims: list[tuple[str, str, int]], over: int) -> int:
         if freed >= over:
             return count
     return len(victims)
-
-
-def clear_stale_temp(path: str) -> bool:
-    """Remove temporary file `path` if no live writer holds it, in this process, another,
-    or another container: a writer holds an exclusive flock on its temporary file
-    from its creation to its rename, and the kernel drops the lock with the process,
-    however it dies (a pid in the name means nothing in another pid namespace).
-    Whether it was removed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False  # a live writer's
-    else:
-        return _unlink(path)
-    finally:
-        os.close(fd)
-
-
-def prepare_root(root: str | Path) -> None:
-    """Make the tier's root folder if it is missing and check that a file can be
-    written in it: OSError if not, at start rather than at every store."""
-    _make_private_dirs(str(root))
-    probe = os.path.join(str(root), f"{TMP_PREFIX}{os.getpid()}-probe")
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, b"tiercache")
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-
-
-def disk_root_problem(root: str | Path) -> str | None:
-    """Why a disk tier cannot use `root` (made if missing), or None when it can."""
-    try:
-        prepare_root(root)
-    except OSError as error:
-        return f"disk.path {str(root)!r} cannot be used ({error.strerror or error})"
-    return None
-
-
-def _make_private_dirs(path: str) -> None:
-    """os.makedirs(path, exist_ok=True), with each folder it makes DIR_MODE exactly:
-    mkdir's mode passes through the umask, so it is set again once made."""
-    missing = []
-    while path and not os.path.isdir(path):  # "": the top of a relative path
-        missing.append(path)
-        path = os.path.dirname(path)
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, DIR_MODE)
-        except FileExistsError:
-            continue  # made a moment ago by another writer, which makes it private too
-        os.chmod(folder, DIR_MODE)
-
-
-def _close_folders(digest_dir: Path) -> None:
-    """Make a digest's folder and its fan-out folders DIR_MODE (a tiercache before
-    this one made them with the umask's mode)."""
-    for folder in (digest_dir, *digest_dir.iterdir()):
-        with contextlib.suppress(OSError):
-            if folder.is_dir() and S_IMODE(folder.stat().st_mode) != DIR_MODE:
-                folder.chmod(DIR_MODE)
-
-
-def _aligned(data: memoryview) -> bool:
-    if len(data) % DATA_ALIGN:
-        return False
-    import ctypes
-
-    address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if not data.readonly else 1
-    return address % DATA_ALIGN == 0
-
-
-def _write_all(fd: int, *parts: bytes | memoryview | mmap.mmap) -> None:
-    """Write `parts` in order with as few system calls as the kernel allows."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    while views:
-        written = os.writev(fd, views)
-        if written <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]

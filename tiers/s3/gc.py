@@ -11,7 +11,10 @@ Capacity. A deployment uses (blocks indexed) x object_bytes per TP rank in S3 (a
 run's table of contents is shared by its blocks, so this is close, not exact). GC
 works per object: while the namespace is over `s3.capacity`, the run with the oldest
 last access (a lookup that finds any of its blocks touches it; over every rank of
-every deployment) goes first. For each victim the run is unindexed whole (every
+every deployment) goes first, unless it was hit since GC last came to it: then it gets
+a second chance (the recent end, half its hits kept), so a run hit h times outlasts
+about log2(h) + 1 trips through the queue, and runs uploaded and never read go before
+the ones read often (by last access and hits). For each victim the run is unindexed whole (every
 block still located in it) with `Leases.gc_unindex_run`, which refuses while a read
 lease on the run is live (that victim is skipped), and only once the entries are
 gone is the object deleted. A reader either holds a lease on an object that stays,
@@ -55,7 +58,7 @@ from tiercache.index.leases import Leases
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment, RedisIndex, runs_key
 from tiercache.metrics import GC_SWEEPS_REFUSED
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.s3.legacy import sweep_legacy
 from tiercache.tiers.s3.passes import (
     SWEEP_BATCH,
@@ -106,6 +109,7 @@ def run_gc(
         "evicted_objects": 0,
         "evicted_bytes": 0,
         "skipped_leased": 0,
+        "spared_hit": 0,
         "delete_failed": 0,
         "orphans": {
             "scanned": 0,
@@ -175,9 +179,16 @@ def _keep_under_capacity(
         if not candidates:  # every run left is leased
             break
         candidates.sort()
+        hits = _hits_of(index, candidates)
+        spared: dict[tuple[str, str], list[tuple[bytes, int]]] = defaultdict(list)
         for _score, model, rank, run_id, size in candidates:
             if used <= capacity:
                 break
+            run_hits = hits.get((model, rank, run_id), 0)
+            if run_hits:
+                spared[(model, rank)].append((run_id, run_hits))
+                report["spared_hit"] += 1
+                continue
             removed = leases.gc_unindex_run(model, rank, run_id)
             if removed == -1:  # a live read lease: this one stays
                 leased.add((model, rank, run_id))
@@ -192,8 +203,26 @@ def _keep_under_capacity(
             report["evicted_bytes"] += removed * size
             if not s3.delete_run(rank, run_id.hex()):
                 report["delete_failed"] += 1  # left for the orphan sweep
+        now = time.time()
+        for (model, rank), runs in spared.items():
+            index.spare(model, rank, runs, now)
         used = _used_bytes(index, deployments)  # writers go on while we work
     report["used_bytes_after"] = used
+
+
+def _hits_of(
+    index: RedisIndex, candidates: list[tuple[float, str, str, bytes, int]]
+) -> dict[tuple[str, str, bytes], int]:
+    """The hits of each candidate run since GC last spared it: one call per index."""
+    by_index: dict[tuple[str, str], list[bytes]] = defaultdict(list)
+    for _score, model, rank, run_id, _size in candidates:
+        by_index[(model, rank)].append(run_id)
+    hits = {}
+    for (model, rank), runs in by_index.items():
+        for run_id, count in zip(runs, index.run_hits(model, rank, runs), strict=True):
+            if count:
+                hits[(model, rank, run_id)] = count
+    return hits
 
 
 def _find_model(redis: GuardedRedis, rank: str) -> str | None:

@@ -32,7 +32,7 @@ from tiercache.ops.service.models import (
     TierBlocks,
 )
 from tiercache.ops.service.stats import tier_stats
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.s3.gc import DEFAULT_ORPHAN_GRACE, run_gc
 from tiercache.tiers.s3.passes import gc_redis_client, registered_deployments
 from tiercache.tiers.s3.tier import S3Tier, make_client

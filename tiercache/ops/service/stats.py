@@ -8,7 +8,7 @@ from typing import Any
 from tiercache.config import TierCacheConfig, redact_url
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex
-from tiercache.tiers.disk.tier import DiskLayout
+from tiercache.tiers.disk.layout import DiskLayout
 from tiercache.tiers.s3.passes import registered_deployments
 
 # The namespace disk objects are counted under when no registered deployment names them.
