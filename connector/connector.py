@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.config import ConfigError, build_config
 from tiercache.index.block_hashing import BlockHashing, shareable_seed
-from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 from tiercache.tiers.disk.layout import disk_root_problem
 
 from .graphs import full_graphs
@@ -55,6 +55,7 @@ _HIT_SOURCES = {
     CPU: CacheHitSource.HOST,
     DISK: CacheHitSource.DISK,
     S3: CacheHitSource.EXTERNAL_UNSPECIFIED,
+    PEER: CacheHitSource.P2P,
 }
 
 
@@ -423,9 +424,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        # vLLM's metrics know host memory and disk; S3 is a remote store, which vLLM
-        # files under "external_unspecified". A split that does not add up is left
-        # to vLLM's own fallback.
+        # vLLM's metrics know host memory, disk and another engine's memory (p2p: the
+        # peer tier); S3 is a remote store, which vLLM files under "external_unspecified".
+        # A split that does not add up is left to vLLM's own fallback.
         scheduler = self.scheduler
         assert scheduler is not None
 

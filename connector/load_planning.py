@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.metrics import LOAD_DECISIONS, LOOKUP_HITS
 from tiercache.policy import CpuTierFull
-from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 
 from .groups import NULL_BLOCK, group_key
 from .metadata import BlockOp, LoadJob
@@ -57,7 +57,8 @@ class LoadPlanning(SchedulerBase):
             self._name(block_hash, request.block_hashes[first + i])
             hit.append((block_hash, block_ids[first + i], tier))
         ops = self._plan_hit(hit, may_stage=is_async)
-        self._queue_load(state, LoadJob(req_id, ops, is_async), first + count)
+        peer = lookup.peer if any(op.tier == PEER for op in ops) else ""
+        self._queue_load(state, LoadJob(req_id, ops, is_async, peer=peer), first + count)
 
     def _plan_group_loads(
         self, state: RequestState, lookup: Lookup, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -124,7 +125,7 @@ class LoadPlanning(SchedulerBase):
     def _unplan(self, op: BlockOp) -> None:
         """Undo `_plan_load` for `op` and leave it lost: the worker reports it failed."""
         if op.slot >= 0:
-            if op.tier in (DISK, S3):
+            if op.tier in (DISK, PEER, S3):
                 self.policy.fill_failed(op.block_hash, op.slot)  # the slot claimed to stage it
             self.policy.release(op.slot)
         op.slot, op.tier = -1, ""
@@ -183,6 +184,8 @@ class LoadPlanning(SchedulerBase):
             return BlockOp(block_hash, gpu_block, -1, "")
         if tier == DISK and not may_stage:
             return BlockOp(block_hash, gpu_block, -1, DISK)
+        if tier == PEER and not may_stage:  # read from a peer only into a staging slot
+            return BlockOp(block_hash, gpu_block, -1, "")
         if block_hash in self.slots:  # a store or another load is filling it right now
             return BlockOp(block_hash, gpu_block, -1, "")
         try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.index.redis_conn import RedisUnavailable
 from tiercache.metrics import LOOKUP_BLOCKS
-from tiercache.tiers import CPU, S3
+from tiercache.tiers import CPU, PEER, S3
 
 from .groups import group_key
 from .scheduler_base import SchedulerBase
@@ -47,6 +47,16 @@ class Lookups(SchedulerBase):
                 break
             tiers.append(tier)
         rest = first + len(tiers)
+        # Then another live instance's CPU tier (the peer tier), then S3.
+        peer = ""
+        if rest < limit and self.peers is not None:
+            found_at = self.peers.holder([bytes(h) for h in request.block_hashes[rest:limit]])
+            if found_at is not None:
+                peer, held_there = found_at
+                keys = [bytes(h) for h in hashes[rest : rest + held_there]]
+                clear = self.load_failures.leading_clear(keys)
+                tiers.extend([PEER] * clear)
+                rest += clear
         s3 = earlier.s3 if earlier is not None else None
         if rest < limit and self.s3_index is not None:
             wanted = [bytes(h) for h in hashes[rest:limit]]
@@ -63,7 +73,9 @@ class Lookups(SchedulerBase):
             tiers.extend([S3] * self.load_failures.leading_clear(wanted[:found]))
         else:
             LOOKUP_BLOCKS.inc(limit - first)
-        lookup = self._lookups[request.request_id] = Lookup(num_computed_tokens, tiers, self._step, s3=s3)
+        lookup = self._lookups[request.request_id] = Lookup(
+            num_computed_tokens, tiers, self._step, s3=s3, peer=peer if PEER in tiers else ""
+        )
         held = hashes[first : first + len(tiers)]
         # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.
         lookup.hit = tiers
@@ -97,7 +109,7 @@ class Lookups(SchedulerBase):
         return (hit.end - first) * self.block_size, self._is_async([tier for _, _, tier in hit.plan], ())
 
     def _fit_to_cpu_tier(self, tiers: list[str], hashes) -> list[str]:
-        """Each disk or S3 block is staged through a CPU slot of its own. A hit that
+        """Each disk, peer or S3 block is staged through a CPU slot of its own. A hit that
         needs more slots than transfers leave free is cut where they run out: the
         rest is computed, rather than planned, failed and recovered by vLLM."""
         # A staging evicts an unpinned slot, and the hit pins its own CPU blocks first

@@ -14,7 +14,7 @@ class BlockOp:
     block_hash: bytes
     gpu_block: int
     slot: int
-    tier: str  # where the bytes are now: "cpu", "disk", "s3"; "" = lost, fail the block
+    tier: str  # where the bytes are now: "cpu", "disk", "s3", "peer"; "" = lost, fail the block
     req_id: str = ""  # a store's request: its blocks share S3 runs (tiers/s3/run_packer.py)
     # A load's block whose slot another transfer is filling (a staging from disk or
     # S3, or a store): tier is CPU, and the worker copies it once that fill is done.
@@ -26,6 +26,8 @@ class LoadJob:
     req_id: str
     ops: list[BlockOp]
     is_async: bool
+    # The instance whose CPU tier holds the load's peer blocks (tiers/peer), if any.
+    peer: str = ""
 
 
 @dataclass
@@ -65,6 +67,9 @@ class TierCacheMetadata(KVConnectorMetadata):
     # This step's forward may be one full CUDA graph replay, which calls no layer hook:
     # its hits are copied in whole before it (connector/graphs.py).
     full_graph: bool = False
+    # This instance's name in Redis, set where the peer tier is on: each worker shares
+    # its CPU tier under it (the scheduler's name, which a worker process cannot derive).
+    instance: str = ""
 
 
 # Event kinds a worker reports, each as (rank, kind, value) in the order the rank

@@ -31,6 +31,7 @@ from tiercache.policy import BlockPolicy, reads_disk_in_forward
 from tiercache.tiers import CPU
 from tiercache.tiers.cpu import slots_for
 from tiercache.tiers.disk.layout import DiskLayout
+from tiercache.tiers.peer.agent import load_nixl
 
 from .cost_model import LoadCostModel
 from .events import TierEvents
@@ -55,6 +56,7 @@ from .metadata import (
     TierCacheMetadata,
     TierCacheWorkerMetadata,
 )
+from .peer_lookup import PeerLookup
 from .scheduler_state import S3_LOOKUP_REUSE_SECONDS, Lookup, RequestState
 from .store_planning import StorePlanning
 from .weights_fingerprint import loaded_weights_epoch
@@ -150,6 +152,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             self.redis = GuardedRedis(config.redis_url, config.redis)
             self.index = RedisIndex(self.redis)
         self.s3_index = self.index if config.s3 is not None else None
+        # How this instance is named in Redis (its presence, its workers' peer records).
+        self.instance = config.instance_id or f"{socket.gethostname()}-{os.getpid()}"
         self._count_fleet_requests()
         # Once per vLLM instance, not once per TP rank's tier engine.
         for warning in unbounded_warnings(config):
@@ -166,6 +170,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             self._register(self.index)
         if self.tier_events is not None and self.tier_events.presence is not None:
             self.tier_events.presence.start()
+        self.peers = self._peer_lookup()
         self._requests: dict[str, RequestState] = {}
         # Per waiting request, its last lookup: planned from in the step it was made,
         # its S3 answer reused while the request waits (vLLM asks every step).
@@ -254,7 +259,7 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             presence = PresencePublisher(
                 self.redis,
                 self.model_digest,
-                self.config.instance_id or f"{socket.gethostname()}-{os.getpid()}",
+                self.instance,
                 ttl=self.config.presence.ttl,
                 interval=self.config.presence.interval,
             )
@@ -271,6 +276,22 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         )
         self.policy.watcher = events
         return events
+
+    def _peer_lookup(self) -> PeerLookup | None:
+        """Other instances' CPU tiers, where `peer.enabled` asks for them. Holders are
+        found through presence, which a model of several KV cache groups publishes for
+        one group only: such a model neither reads from peers nor is read from."""
+        if not self.config.peer.enabled or self.redis is None:
+            return None
+        if self.tier_events is None or self.tier_events.presence is None:
+            log.warning("tiercache: the peer tier needs presence.enabled: it is off")
+            return None
+        if self.hybrid:
+            log.warning("tiercache: the peer tier serves models of one KV cache group only: it is off")
+            return None
+        if load_nixl() is None:  # the workers cannot read (warned): plan no peer loads
+            return None
+        return PeerLookup(self.redis, self.model_digest, self.instance)
 
     def take_events(self) -> list:
         """vLLM KV events for this step's tier changes (connector.take_events)."""
@@ -335,6 +356,8 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             stores=[],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             loads_early=not _touches_blocks_before_forward(scheduler_output),
+            # The workers share their CPU tiers under this instance's name.
+            instance=self.instance if self.peers is not None else "",
         )
         self._building = meta  # what fail_step undoes, should this raise
         if self.cost is not None and self._computes_prompt(scheduler_output):

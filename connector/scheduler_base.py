@@ -11,7 +11,7 @@ from tiercache.config import TierCacheConfig
 from tiercache.index.keys import block_key
 from tiercache.index.redis_index import RedisIndex
 from tiercache.policy import BlockPolicy
-from tiercache.tiers import CPU, S3
+from tiercache.tiers import CPU, PEER, S3
 from tiercache.tiers.cpu import SlotAllocator
 
 from .cost_model import LoadCostModel
@@ -21,6 +21,7 @@ from .group_lookup import GroupLookup
 from .groups import GroupRule
 from .load_failures import RecentLoadFailures
 from .metadata import BlockOp, LoadJob
+from .peer_lookup import PeerLookup
 from .scheduler_state import Lookup, RequestState
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class SchedulerBase:
     policy: BlockPolicy
     slots: SlotAllocator[bytes]
     s3_index: RedisIndex | None
+    peers: PeerLookup | None
     load_failures: RecentLoadFailures
     cost: LoadCostModel | None
     groups: GroupLookup
@@ -91,5 +93,5 @@ class SchedulerBase:
         if self.hybrid or any(self.policy.filling(bytes(h)) for h in hashes):
             return True
         if self.disk_in_forward:
-            return S3 in tiers
+            return S3 in tiers or PEER in tiers
         return any(tier != CPU for tier in tiers)

@@ -55,6 +55,7 @@ class Lookup:
     group_tiers: GroupTiers = field(default_factory=dict)
     plan: list[tuple[int, int, str]] = field(default_factory=list)
     load_async: bool = False  # what vLLM was told: the plan keeps to it
+    peer: str = ""  # the instance whose CPU tier holds the hit's peer blocks
     s3: S3Answer | None = None  # kept while the request waits (S3_LOOKUP_REUSE_SECONDS)
     # Several KV cache groups: what S3 holds of their blocks, reused alike.
     group_s3: GroupS3Answer | None = None

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
-TIERS = ("cpu", "disk", "s3")
+TIERS = ("cpu", "disk", "s3", "peer")  # the tiers loads come from (tiercache.tiers)
 LATENCIES = "load_seconds"  # list of (tier, seconds), one per load job
 # counter name in vLLM's /metrics -> (stats key prefix, help)
 _COUNTERS = {

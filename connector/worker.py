@@ -42,6 +42,7 @@ from .metadata import (
 )
 from .stats import GaugeReport, TierCacheStats
 from .worker_loads import WorkerLoads
+from .worker_peer import WorkerPeer, missed
 
 log = logging.getLogger("tiercache.connector")
 
@@ -79,6 +80,10 @@ class TierCacheWorker:
         self.copier: PagedKVCopier | None = None
         self.buffer: CpuBuffer | None = None
         self.engine: TierEngine | None = None
+        # Other instances read this rank's CPU tier, and it reads theirs (tiers/peer):
+        # started once a step names this instance (TierCacheMetadata.instance).
+        self.peer: WorkerPeer | None = None
+        self._peer_started = False
         self.disabled_reason: str | None = None
         self._lock = threading.Lock()
         self._reports: list[Report] = []  # (rank, kind, value), in the order they happened
@@ -223,6 +228,8 @@ class TierCacheWorker:
             return
         self._begun = meta
         self._loads.new_step()
+        if self.peer is not None:
+            self.peer.retire(meta)
         if self.engine is None or not meta.write_backs:
             return
         assert self.copier is not None and self.buffer is not None  # set with the engine
@@ -236,6 +243,24 @@ class TierCacheWorker:
             data = bytes(self.buffer.view(slot))
             tiers = meta.write_back_tiers.get(block_hash, (DISK, S3))
             self.engine.write_down(block_hash, None, self.after_write, data=data, tiers=tiers)
+
+    # -- the peer tier -------------------------------------------------------------------
+    def _start_peer(self, instance: str) -> None:
+        """Share this rank's CPU tier under `instance` and read other instances' (once)."""
+        self._peer_started = True
+        if self.engine is not None and self.buffer is not None:
+            self.peer = WorkerPeer.start(self.config, self.engine, self.buffer, instance, self.tp_rank)
+
+    def published(self, block_hash: bytes, slot: int) -> None:
+        """`slot` holds `block_hash` now: other instances may read it."""
+        if self.peer is not None:
+            self.peer.published(block_hash, slot)
+
+    def read_from_peer(self, instance: str, ops: list[BlockOp], deadline: float) -> Future:
+        """WorkerPeer.read, or all missed without a peer tier or a holder."""
+        if self.peer is None or not instance:
+            return missed(ops)
+        return self.peer.read(instance, ops, deadline)
 
     def step_arrives(self, meta: TierCacheMetadata) -> None:
         """vLLM handed the worker this step, before preparing its inputs.
@@ -341,6 +366,9 @@ class TierCacheWorker:
         engine, self.engine = self.engine, None
         if engine is not None:
             self.quietly(engine.close)
+        peer, self.peer = self.peer, None
+        if peer is not None:  # its record leaves Redis: no one reads this CPU tier any more
+            self.quietly(peer.close)
 
     # -- stores ---------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: TierCacheMetadata) -> None:
@@ -416,6 +444,7 @@ class TierCacheWorker:
         # (the scheduler's write-backs, `_begin_step`).
         writes_through = self.writes_lower_tiers and self.config.movers.policy == "write_through"
         for op in ops:
+            self.published(op.block_hash, op.slot)
             self.emit(FILLED, (op.block_hash, op.slot))
             if writes_through:
                 self.engine.write_down(
@@ -437,6 +466,8 @@ class TierCacheWorker:
         if meta is self._noted:
             return
         self._noted = meta
+        if meta.instance and not self._peer_started:
+            self._start_peer(meta.instance)
         self._awaiting_sending.update(meta.finished_storing)
 
     def _fence_before_forward(self, meta: TierCacheMetadata) -> None:
@@ -556,6 +587,9 @@ class TierCacheWorker:
 
     def shutdown(self) -> None:
         self.copies.drain()
+        peer, self.peer = self.peer, None
+        if peer is not None:
+            peer.close()
         if self._loads.layer_helper is not None:
             self._loads.layer_helper.shutdown(wait=True)
         if self.engine is not None:

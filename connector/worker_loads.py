@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.metrics import LOADS_TIMED_OUT as LOADS_TIMED_OUT_METRIC
 from tiercache.policy import promotes_to_disk
-from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 
 from .disk_reads import DiskRead, DiskReads
 from .layerwise import LayerwiseLoad
@@ -365,8 +365,8 @@ class WorkerLoads:
 
     # -- asynchronous loads -------------------------------------------------------------
     def start_async(self, job: LoadJob) -> None:
-        """Stage a load's disk and S3 blocks into their slots, each tier apart (they
-        run in parallel), noting when each tier's last block is in."""
+        """Stage a load's disk, S3 and peer blocks into their slots, each tier apart
+        (they run in parallel), noting when each tier's last block is in."""
         load = self.load_of(job)
         if load.state is not LoadState.PLANNED:
             return
@@ -382,6 +382,16 @@ class WorkerLoads:
             future.add_done_callback(lambda _, t=tier: load.staged_at.setdefault(t, time.perf_counter()))  # type: ignore[misc]
             load.staged.append((tier, ops, future))
             for index, op in enumerate(ops):
+                self.fills[op.slot] = Fill(op.block_hash, future, index)
+        peer_ops = [op for op in job.ops if op.tier == PEER and op.slot >= 0]
+        if peer_ops:
+            # The same deadline as every staging (poll gives up on the load past it),
+            # on the clock the peer tier keeps.
+            left = self._worker.config.movers.load_deadline_seconds - (time.perf_counter() - load.started)
+            future = self._worker.read_from_peer(job.peer, peer_ops, time.monotonic() + max(left, 0.0))
+            future.add_done_callback(lambda _: load.staged_at.setdefault(PEER, time.perf_counter()))
+            load.staged.append((PEER, peer_ops, future))
+            for index, op in enumerate(peer_ops):
                 self.fills[op.slot] = Fill(op.block_hash, future, index)
         for op in job.ops:
             if op.after_fill:
@@ -431,10 +441,12 @@ class WorkerLoads:
             self._worker.timings.append((tier, len(ops), load.staged_at.get(tier, now) - load.started))
         tiers = {op.tier for op in load.job.ops}
         # (A hybrid model's CPU hits are asynchronous loads too: scheduler.py.)
-        slowest = S3 if S3 in tiers else DISK if DISK in tiers else CPU
+        slowest = next((tier for tier in (S3, DISK, PEER) if tier in tiers), CPU)
         self._worker.stats.observe_load(slowest, now - load.started)
         for op in load.job.ops:
             if stages_into_slot(op):
+                if staged_ok.get(id(op)):
+                    self._worker.published(op.block_hash, op.slot)  # the slot holds it, verified
                 self._worker.emit(FILLED if staged_ok.get(id(op)) else FILL_FAILED, (op.block_hash, op.slot))
         loaded, failed = good_prefix(load.job.ops, staged_ok)
         if failed and self.ends.fails_whole_requests:

@@ -345,9 +345,11 @@ class PeerConfig(_Strict):
 
     enabled: bool = Field(
         default=False,
-        description="share this instance's CPU tier with other instances of the deployment over NIXL and "
-        "read their CPU tiers (needs redis_url and the nixl-cu12 package; without NIXL the tier is off "
-        "with a warning). The connector does not consult it yet: the data plane alone is in place",
+        description="share this instance's CPU tier with the other live instances of the deployment over "
+        "NIXL, and load a request's blocks from theirs where this instance's CPU and disk tiers end, before "
+        "S3 (needs redis_url, presence.enabled and the nixl-cu12 package, without which the tier is off "
+        "with a warning; instances share blocks only where their block hashes agree: a cryptographic "
+        "prefix_caching_hash_algo, or one PYTHONHASHSEED; models of one KV cache group only)",
     )
     host: str | None = Field(
         default=None,

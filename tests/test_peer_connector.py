@@ -1,0 +1,248 @@
+"""The peer tier wired into the connector: two instances (two `ConnectorDriver`s, each
+the scheduler and worker halves of one engine) and a real Redis. One computes and
+stores blocks; the other finds them in the first one's CPU tier through presence,
+plans a peer load naming that instance, and reads them over NIXL (UCX on loopback)
+into its staging slots. A block the holder no longer has, or a holder that is gone,
+is a miss from that block on, never other bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from connector.driver import ConnectorDriver
+from tiercache.tiers.peer.agent import load_nixl
+
+from support.peer_instance import BLOCK, BLOCKS, blocks, computed, instance
+
+pytestmark = pytest.mark.skipif(load_nixl() is None, reason="NIXL (nixl-cu12) is not installed")
+
+HOLDER = Path(__file__).parent / "support" / "peer_instance.py"
+
+
+def started(driver: ConnectorDriver) -> None:
+    """One step through `driver`'s worker, which starts its peer tier (the first step
+    names the instance to it)."""
+    hashes, pages = blocks(99, 1)
+    driver.serve(hashes, pages)
+    assert driver.worker.peer is not None
+
+
+@pytest.fixture
+def model():
+    return uuid.uuid4().hex
+
+
+def test_a_block_computed_by_one_instance_is_loaded_by_another_from_its_cpu_tier(redis_url, model):
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        hashes, pages = blocks(1)
+        computed(a, hashes, pages)
+        served = b.serve(hashes)
+        assert served.tiers == ["peer"] * BLOCKS
+        for kv, page in zip(served.kv, pages, strict=True):
+            assert bytes(kv) == page
+        assert b.worker.stats.data.get("loaded_blocks_peer") == BLOCKS
+        # Staged into b's own CPU tier: its next request is a local hit.
+        b.deliver_reports()
+        assert b.serve(hashes).tiers == ["cpu"] * BLOCKS
+        assert a.worker.stats.data.get("loaded_blocks_peer") is None
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on(redis_url, model):
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        hashes, pages = blocks(2)
+        computed(a, hashes, pages)
+        # b reads the blocks; right after it has found them in a's directory, a's CPU
+        # tier rewrites the slot of the third one, as a store reusing it would.
+        victim = a.slots.slot_of(hashes[2])
+        holder, reader = a.worker.peer.tier, b.worker
+        rounds = []
+        _, other = blocks(3, 1)
+
+        def read_then_rewrite(agent, pieces, deadline):
+            reader_read(agent, pieces, deadline)
+            rounds.append(len(pieces))
+            if len(rounds) == 1:  # the directory rows: now the slot changes
+                holder.retire(victim)
+                a.buffer.tensor[victim].numpy()[:] = np.frombuffer(other[0], np.uint8)
+                holder.publish(victim, b"\x07" * 32)
+
+        started(b)
+        reader_read = reader.peer.tier.agent.read
+        reader.peer.tier.agent.read = read_then_rewrite
+        served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
+        assert served.tiers == ["peer", "peer"] + [None] * (BLOCKS - 2)
+        assert [bytes(kv) for kv in served.kv[:2]] == pages[:2]
+        assert rounds, "the peer was never read"
+    finally:
+        b.close()
+        a.close()
+
+
+def start_holders(redis_url: str, model: str, seeds: dict[str, int]) -> dict[str, subprocess.Popen]:
+    """Each named instance in a process of its own, its blocks of its seed stored and
+    published. Started together: each takes seconds to import its way up."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    holders = {
+        name: subprocess.Popen(
+            [sys.executable, str(HOLDER), redis_url, model, name, str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, seed in seeds.items()
+    }
+    for name, process in holders.items():
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if line != "READY":
+            for other in holders.values():
+                other.kill()
+            pytest.fail(f"holder {name} did not start: {line!r}")
+    return holders
+
+
+def test_a_holder_killed_before_or_during_the_read_is_a_miss(redis_url, model):
+    holders = start_holders(redis_url, model, {"dead": 4, "dying": 5})
+    b = instance(redis_url, "b", model)
+    try:
+        started(b)
+        dead, _ = blocks(4)
+        dying, _ = blocks(5)
+        assert b.scheduler.peers.holder(dead) == ("dead", BLOCKS)
+        assert b.scheduler.peers.holder(dying) == ("dying", BLOCKS)
+        # Their records and presence stay in Redis until their TTLs, as after a crash.
+        holders["dead"].send_signal(signal.SIGKILL)
+        holders["dead"].wait()
+        reader_read = b.worker.peer.tier.agent.read
+
+        def read_then_kill(agent, pieces, deadline):
+            reader_read(agent, pieces, deadline)
+            if holders["dying"].poll() is None:  # after the directory rows: it dies
+                holders["dying"].send_signal(signal.SIGKILL)
+                holders["dying"].wait()
+
+        for hashes in (dead, dying):
+            if hashes is dying:
+                b.worker.peer.tier.agent.read = read_then_kill
+            failed_before = b.worker.stats.data.get("failed_blocks_peer", 0)
+            served = b.serve(hashes, pages=[b"\x00" * BLOCK] * BLOCKS)
+            assert served.tiers == [None] * BLOCKS
+            assert b.worker.stats.data.get("failed_blocks_peer") == failed_before + BLOCKS
+            # What b computed instead is stored: the next request hits b's own CPU tier.
+            b.deliver_reports()
+            again = b.serve(hashes)
+            assert again.tiers == ["cpu"] * BLOCKS
+            assert [bytes(kv) for kv in again.kv] == [b"\x00" * BLOCK] * BLOCKS
+        assert holders["dying"].poll() is not None, "the holder was never read"
+    finally:
+        b.close()
+        for process in holders.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_a_holder_that_shut_down_is_a_miss(redis_url, model):
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    hashes, pages = blocks(5)
+    try:
+        computed(a, hashes, pages)
+        a.worker.peer.tier.close()  # its record leaves Redis; its presence stays a while
+        served = b.serve(hashes)
+        assert served.tiers == [None] * BLOCKS
+    finally:
+        b.close()
+        a.close()
+
+
+def test_another_namespace_is_never_read(redis_url, model):
+    a = instance(redis_url, "a", model, namespace="tenant-a")
+    b = instance(redis_url, "b", model, namespace="tenant-b")
+    try:
+        hashes, pages = blocks(6)
+        computed(a, hashes, pages)
+        assert b.scheduler.peers.holder(hashes) is None
+        read = []
+        started(b)
+        b.worker.peer.tier.agent.read = lambda *args: read.append(args)
+        assert b.serve(hashes).tiers == [None] * BLOCKS
+        assert read == []
+    finally:
+        b.close()
+        a.close()
+
+
+def test_with_the_peer_tier_off_nothing_is_shared(redis_url, model):
+    a = instance(redis_url, "a", model, peer=False)
+    b = instance(redis_url, "b", model, peer=False)
+    try:
+        hashes, pages = blocks(7)
+        computed(a, hashes, pages)
+        assert a.worker.peer is None and b.scheduler.peers is None
+        assert b.serve(hashes).tiers == [None] * BLOCKS
+        assert b.worker.peer is None
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_reader_without_the_peer_tier_ignores_holders(redis_url, model):
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model, peer=False)
+    try:
+        hashes, pages = blocks(8)
+        computed(a, hashes, pages)
+        assert b.serve(hashes).tiers == [None] * BLOCKS
+    finally:
+        b.close()
+        a.close()
+
+
+def test_peer_blocks_come_after_local_ones_in_one_load(redis_url, model):
+    """A prefix partly in this instance's CPU tier and partly in a peer's: one load,
+    the local blocks copied, the rest read from the peer, bytes as computed."""
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        hashes, pages = blocks(9)
+        computed(a, hashes, pages)
+        assert b.serve(hashes[:2]).tiers == ["peer", "peer"]  # now in b's own CPU tier
+        b.deliver_reports()
+        served = b.serve(hashes)
+        assert served.tiers == ["cpu", "cpu"] + ["peer"] * (BLOCKS - 2)
+        assert [bytes(kv) for kv in served.kv] == pages
+    finally:
+        b.close()
+        a.close()
+
+
+def test_without_nixl_the_tier_is_off_and_nothing_else_changes(redis_url, model, monkeypatch):
+    a = instance(redis_url, "a", model)
+    try:
+        hashes, pages = blocks(10)
+        computed(a, hashes, pages)
+        monkeypatch.setattr("tiercache.tiers.peer.tier.load_nixl", lambda: None)
+        monkeypatch.setattr("connector.scheduler.load_nixl", lambda: None)
+        b = instance(redis_url, "b", model)
+        try:
+            assert b.scheduler.peers is None
+            assert b.serve(hashes, pages).tiers == [None] * BLOCKS
+            assert b.worker.peer is None
+            b.deliver_reports()
+            assert b.serve(hashes).tiers == ["cpu"] * BLOCKS
+        finally:
+            b.close()
+    finally:
+        a.close()
