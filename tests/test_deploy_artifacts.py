@@ -189,6 +189,8 @@ COMPOSE_SERVICES = {
     "tiercache",
     "vllm",
     "vllm-cpu",
+    "vllm-peer-a",
+    "vllm-peer-b",
     "prometheus",
     "grafana",
 }
@@ -282,7 +284,13 @@ def test_compose_tiercache_config_is_valid(compose):
     assert "aws" not in json.dumps(data).lower(), "credentials never go in the config"
 
 
-VLLM_SERVICES = {"vllm": ("gpu", "docker/Dockerfile.vllm"), "vllm-cpu": ("cpu", "docker/Dockerfile.vllm-cpu")}
+VLLM_SERVICES = {
+    "vllm": ("gpu", "docker/Dockerfile.vllm"),
+    "vllm-cpu": ("cpu", "docker/Dockerfile.vllm-cpu"),
+    "vllm-peer-a": ("peer", "docker/Dockerfile.vllm-cpu"),
+    "vllm-peer-b": ("peer", "docker/Dockerfile.vllm-cpu"),
+}
+PEER_SERVICES = ("vllm-peer-a", "vllm-peer-b")
 
 
 def in_folder(path: str, mount: str, folder: Path) -> str:
@@ -431,11 +439,12 @@ def test_compose_vllm_kv_transfer_config(compose, name):
     assert named[str(config.disk.path)] in compose["volumes"]
 
 
-def test_compose_vllm_cpu_block_size(compose):
-    args = command_args(services(compose)["vllm-cpu"])
+@pytest.mark.parametrize("name", ["vllm-cpu", *PEER_SERVICES])
+def test_compose_vllm_cpu_block_size(compose, name):
+    args = command_args(services(compose)[name])
     block_size = int(arg_value(args, "--block-size"))
     assert block_size == 32, "vLLM's CPU backend needs a multiple of 32"
-    assert "VLLM_CPU_KVCACHE_SPACE" in environment(services(compose)["vllm-cpu"])
+    assert "VLLM_CPU_KVCACHE_SPACE" in environment(services(compose)[name])
 
 
 def test_compose_vllm_gpu_reservation(compose):
@@ -443,14 +452,15 @@ def test_compose_vllm_gpu_reservation(compose):
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia"
     assert "gpu" in device["capabilities"]
-    assert "deploy" not in services(compose)["vllm-cpu"]
+    for name in ("vllm-cpu", *PEER_SERVICES):
+        assert "deploy" not in services(compose)[name]
 
 
 def test_compose_vllm_services_share_connector_config(compose_raw):
-    # One anchor feeds both; a copy that drifted would split the cache in two.
+    # One anchor feeds them all; a copy that drifted would split the cache in two.
     gpu = kv_transfer_config(interpolate_tree(compose_raw["services"]["vllm"], {}))
-    cpu = kv_transfer_config(interpolate_tree(compose_raw["services"]["vllm-cpu"], {}))
-    assert gpu == cpu
+    for name in ("vllm-cpu", *PEER_SERVICES):
+        assert kv_transfer_config(interpolate_tree(compose_raw["services"][name], {})) == gpu, name
 
 
 def test_compose_endpoints_name_real_services(compose):
@@ -476,7 +486,7 @@ def test_compose_observability_profile(compose):
         for static in job["static_configs"]
         for target in static["targets"]
     }
-    for name in ("tiercache", "vllm", "vllm-cpu"):
+    for name in ("tiercache", "vllm", "vllm-cpu", *PEER_SERVICES):
         service = services(compose)[name]
         port = arg_value(command_args(service), "--port")
         assert f"{name}:{port}" in targets, f"Prometheus does not scrape {name}"
@@ -502,6 +512,58 @@ def test_compose_only_vllm_and_observability_are_optional(compose):
             assert profiles, f"{name} should not start by default"
         else:
             assert not profiles, f"{name} is part of the default stack"
+
+
+def peer_connector_config(service: dict[str, Any]):
+    """What the connector of a compose vLLM service resolves: its kv_connector_extra_config
+    with the service's TIERCACHE_* environment over it, as the connector reads it."""
+    from tiercache.config import build_config
+
+    extra = kv_transfer_config(service)["kv_connector_extra_config"]
+    tiercache_env = {k: v for k, v in environment(service).items() if k.startswith("TIERCACHE_PEER__")}
+    return build_config(extra, environ=tiercache_env)
+
+
+def test_compose_peer_profile_shares_cpu_tiers(compose):
+    """Issue 47, item 4: two CPU vLLMs in one profile, reading each other's CPU tiers."""
+    import ipaddress
+
+    subnet = ipaddress.ip_network(compose["networks"]["peer"]["ipam"]["config"][0]["subnet"])
+    configs = {name: peer_connector_config(services(compose)[name]) for name in PEER_SERVICES}
+    hosts, ports, disks = set(), set(), set()
+    for name, config in configs.items():
+        service = services(compose)[name]
+        assert service["profiles"] == ["peer"]
+        assert config.peer.enabled and config.presence.enabled
+        # peer.host is the address this instance has on the peer network, where the
+        # other instance connects; the service stays on the default network for Redis.
+        networks = service["networks"]
+        assert set(networks) == {"default", "peer"}
+        assert config.peer.host == networks["peer"]["ipv4_address"]
+        assert ipaddress.ip_address(config.peer.host) in subnet
+        assert config.peer.port > 0
+        assert config.redis_url == "redis://redis:6379/0"
+        hosts.add(config.peer.host)
+        ports.update(service["ports"])
+        disks.add(dict((target, source) for source, target in mounts(service))[str(config.disk.path)])
+    # Two instances: two addresses, two host ports, two disk tiers, one Redis and S3.
+    assert len(hosts) == len(ports) == len(disks) == len(PEER_SERVICES)
+    assert configs["vllm-peer-a"].s3 == configs["vllm-peer-b"].s3
+    assert configs["vllm-peer-a"].namespace == configs["vllm-peer-b"].namespace
+    # No other service turns the peer tier on.
+    for name, service in services(compose).items():
+        if name not in PEER_SERVICES:
+            assert not any(key.startswith("TIERCACHE_PEER__") for key in environment(service)), name
+
+
+def test_compose_peer_addresses_follow_their_variables(compose_raw):
+    env = {"PEER_SUBNET": "10.77.0.0/16", "PEER_A_ADDRESS": "10.77.0.21", "PEER_B_ADDRESS": "10.77.0.22"}
+    compose = interpolate_tree(compose_raw, env)
+    assert compose["networks"]["peer"]["ipam"]["config"][0]["subnet"] == env["PEER_SUBNET"]
+    for name, variable in zip(PEER_SERVICES, ("PEER_A_ADDRESS", "PEER_B_ADDRESS"), strict=True):
+        service = services(compose)[name]
+        assert service["networks"]["peer"]["ipv4_address"] == env[variable]
+        assert peer_connector_config(service).peer.host == env[variable]
 
 
 def _docker_compose_command() -> list[str] | None:
@@ -532,6 +594,8 @@ def test_docker_compose_config():
             "gpu",
             "--profile",
             "cpu",
+            "--profile",
+            "peer",
             "--profile",
             "observability",
             "config",
@@ -852,6 +916,11 @@ def with_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[st
         {"vllm": {"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}},
         {"externalRedis": {"url": "http://redis:6379"}},
         {"vllm": {"blockSize": "16"}},
+        # The NetworkPolicy names a fixed range that must fit below port 65536.
+        {"tiercache": {"peer": {"port": 0}}},
+        {"tiercache": {"peer": {"port": 65436}}},
+        # Each pod's own address comes from the downward API, never from values.
+        {"tiercache": {"peer": {"host": "10.0.0.1"}}},
     ],
     ids=lambda overrides: json.dumps(overrides, separators=(",", ":")),
 )
@@ -984,7 +1053,16 @@ def render_connector_config(values: dict[str, Any], chart: dict[str, Any], relea
         if t["s3"]["region"]:
             s3["region"] = t["s3"]["region"]
         config["s3"] = s3
+    if t["peer"]["enabled"]:
+        if not redis_url:
+            raise ValueError("tiercache.peer.enabled needs Redis")
+        config["peer"] = {"enabled": True, "port": t["peer"]["port"]}
     return deep_merge(config, t["extraConfig"])
+
+
+# Config sections the chart gives vLLM's connector and not the service: the disk and
+# peer tiers belong to the vLLM pods.
+VLLM_ONLY = {"disk", "peer"}
 
 
 def render_kv_transfer_config(values: dict[str, Any], chart: dict[str, Any], release: str) -> dict[str, Any]:
@@ -1000,7 +1078,8 @@ def render_kv_transfer_config(values: dict[str, Any], chart: dict[str, Any], rel
 # external Redis and S3 without MinIO, with extra config passed through. "aws-irsa": the
 # bundled Redis and AWS S3 through IRSA (no MinIO, no credentials). "cpu-vllm": vLLM's
 # CPU build as values.yaml describes it. "minimal": the smallest setup. "everything":
-# every optional object switched on (local PVs, ServiceMonitor, NetworkPolicy).
+# every optional object switched on (local PVs, ServiceMonitor, NetworkPolicy, the peer
+# tier).
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "external": {
@@ -1067,6 +1146,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
             ],
         },
         "vllm": {"maxModelLen": 8192, "servedModelName": "qwen", "replicaCount": 2},
+        "tiercache": {"peer": {"enabled": True, "port": 7000}},
         "service": {"namespaceTokensSecret": "tiercache-namespace-tokens"},
         "s3Credentials": {"accessKeyId": "minio-admin", "secretAccessKey": "minio-admin-secret"},
     },
@@ -1086,7 +1166,7 @@ def test_chart_connector_config_is_valid(values, schema, chart, variant):
     assert (config.disk is not None) == tiercache["disk"]["enabled"]
     if tiercache["s3"]["enabled"] and merged["minio"]["enabled"]:
         assert config.s3.endpoint_url == f"http://{RELEASE}-minio:9000"
-    service_config = {k: v for k, v in kv["kv_connector_extra_config"].items() if k != "disk"}
+    service_config = {k: v for k, v in kv["kv_connector_extra_config"].items() if k not in VLLM_ONLY}
     validate_tiercache_config(service_config)
 
 
@@ -1205,7 +1285,7 @@ def test_helm_template_renders_the_expected_config(helm, values, chart, variant,
 
     (configmap,) = by_kind["ConfigMap"]
     service_config = yaml.safe_load(configmap["data"]["config.yaml"])
-    expected = {k: v for k, v in kv["kv_connector_extra_config"].items() if k != "disk"}
+    expected = {k: v for k, v in kv["kv_connector_extra_config"].items() if k not in VLLM_ONLY}
     assert service_config == expected
     validate_tiercache_config(service_config)
 
@@ -1401,6 +1481,129 @@ def test_helm_default_network_policies_admit_only_the_release_and_named_peers(he
     for name, policy in by_name(docs, "NetworkPolicy").items():
         peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
         assert (router in peers) == (name in (RELEASE, f"{RELEASE}-vllm")), name
+
+
+PEER_VALUES = {"tiercache": {"peer": {"enabled": True, "port": 7000}}, "vllm": {"replicaCount": 3}}
+
+
+def kubernetes_errors(doc: dict[str, Any], chart: dict[str, Any]) -> list[str]:
+    """kubernetes-validate's complaints about one object, strictly, on the oldest and the
+    newest Kubernetes the chart allows."""
+    import kubernetes_validate
+
+    errors = []
+    for version in kubernetes_versions(chart):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            errors.append(f"{doc['kind']} on {version}: {list(error.path)}: {error.message}")
+    return errors
+
+
+def vllm_pod(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The vLLM workload's pod template labels and its vllm container."""
+    (workload,) = [
+        d
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"].endswith("-vllm")
+    ]
+    template = workload["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    return template["metadata"]["labels"], container
+
+
+def peer_ports(container: dict[str, Any]) -> list[int]:
+    return [p["containerPort"] for p in container["ports"] if p["name"].startswith("peer-")]
+
+
+def test_helm_peer_tier_is_wired_for_the_release_vllm_pods(helm, chart, tmp_path):
+    """Issue 47, item 4: tiercache.peer.enabled gives each vLLM pod its pod IP as
+    peer.host, declares the port range, and opens it to this release's vLLM pods only."""
+    from tiercache.config import PEER_PORT_SPAN, build_config
+
+    docs = helm_template(helm, PEER_VALUES, tmp_path)
+    labels, container = vllm_pod(docs)
+    (host,) = [e for e in container["env"] if e["name"] == "TIERCACHE_PEER__HOST"]
+    assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert peer_ports(container) == list(range(7000, 7000 + PEER_PORT_SPAN))
+    assert {p["protocol"] for p in container["ports"]} == {"TCP"}
+    # The connector's config with the pod's environment over it: what the pod resolves.
+    extra = json.loads(arg_value(container["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    config = build_config(extra, environ={"TIERCACHE_PEER__HOST": "10.244.1.7"})
+    assert (config.peer.enabled, config.peer.host, config.peer.port) == (True, "10.244.1.7", 7000)
+    assert config.presence.enabled and config.redis_url
+    # The service opens no peer tier.
+    (configmap,) = by_name(docs, "ConfigMap").values()
+    assert "peer" not in yaml.safe_load(configmap["data"]["config.yaml"])
+
+    policy = by_name(docs, "NetworkPolicy")[f"{RELEASE}-vllm-peer"]
+    assert not kubernetes_errors(policy, chart)
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": 7000, "endPort": 7000 + PEER_PORT_SPAN - 1, "protocol": "TCP"}]
+    (source,) = rule["from"]
+    assert set(source) == {"podSelector"}, "same namespace only: no namespaceSelector, no ipBlock"
+    assert selects(spec["podSelector"], labels) and selects(source["podSelector"], labels)
+    # Nothing but this release's vLLM pods: not its other components, not another release.
+    others = [
+        {**labels, "app.kubernetes.io/component": component}
+        for component in ("service", "redis", "minio", "minio-bucket")
+    ]
+    others.append({**labels, "app.kubernetes.io/instance": "other-release"})
+    for other in others:
+        assert not selects(spec["podSelector"], other), other
+        assert not selects(source["podSelector"], other), other
+
+
+def test_helm_peer_tier_renders_valid_objects(helm, chart, tmp_path):
+    docs = helm_template(helm, PEER_VALUES, tmp_path)
+    errors = [error for doc in docs for error in kubernetes_errors(doc, chart)]
+    assert not errors, "\n".join(errors)
+
+
+def test_helm_peer_tier_off_renders_none_of_it(helm, tmp_path):
+    docs = helm_template(helm, {}, tmp_path)
+    _labels, container = vllm_pod(docs)
+    assert "TIERCACHE_PEER__HOST" not in env_names(container)
+    assert not peer_ports(container)
+    extra = json.loads(arg_value(container["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert "peer" not in extra
+    assert f"{RELEASE}-vllm-peer" not in by_name(docs, "NetworkPolicy")
+    # On without NetworkPolicies: the pods are wired, and no policy is rendered.
+    docs = helm_template(helm, {**PEER_VALUES, "networkPolicy": {"enabled": False}}, tmp_path)
+    _labels, container = vllm_pod(docs)
+    assert "TIERCACHE_PEER__HOST" in env_names(container) and peer_ports(container)
+    assert not by_name(docs, "NetworkPolicy")
+
+
+def test_helm_refuses_peer_without_redis(helm, values, chart):
+    overrides = ["redis.enabled=false", "tiercache.s3.enabled=false", "tiercache.peer.enabled=true"]
+    result = subprocess.run(
+        [helm, "template", RELEASE, str(CHART), *[arg for o in overrides for arg in ("--set", o)]],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT,
+    )
+    assert result.returncode != 0
+    assert "tiercache.peer.enabled needs Redis" in result.stderr
+    merged = with_overrides(
+        values,
+        {"redis": {"enabled": False}, "tiercache": {"s3": {"enabled": False}, "peer": {"enabled": True}}},
+    )
+    with pytest.raises(ValueError, match="needs Redis"):
+        render_connector_config(merged, chart, RELEASE)
+
+
+def test_chart_peer_port_span_is_tiercache_s(schema):
+    """The chart's port range and its bound in the schema are tiercache's PEER_PORT_SPAN."""
+    from tiercache.config import PEER_PORT_SPAN
+
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    span = re.search(r'define "tiercache.peerPortSpan" -}}\s*(\d+)', helpers)
+    assert span and int(span.group(1)) == PEER_PORT_SPAN
+    port = schema["properties"]["tiercache"]["properties"]["peer"]["properties"]["port"]
+    assert port["maximum"] == 65535 - PEER_PORT_SPAN
 
 
 def test_helm_lookup_token_and_integrity_key_come_from_generated_secrets(helm, tmp_path):

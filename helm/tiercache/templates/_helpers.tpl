@@ -101,14 +101,25 @@ key so the values can use Helm's camelCase while the config keeps its own names.
 {{- end -}}
 {{- $_ := set $cfg "s3" $s3 -}}
 {{- end -}}
+{{- /* peer.host differs per pod: the vLLM container gets it as TIERCACHE_PEER__HOST. */ -}}
+{{- if $t.peer.enabled -}}
+{{- if not $redisUrl -}}
+{{- fail "tiercache.peer.enabled needs Redis, where vLLM pods find each other's CPU tiers: set redis.enabled=true or externalRedis.url" -}}
+{{- end -}}
+{{- $_ := set $cfg "peer" (dict "enabled" true "port" (int $t.peer.port)) -}}
+{{- end -}}
 {{- $cfg = mergeOverwrite $cfg (deepCopy $t.extraConfig) -}}
 {{- toJson $cfg -}}
 {{- end -}}
 
-{{/* The service's config: the shared tiers only; the disk tier belongs to vLLM nodes. */}}
+{{/*
+The service's config: the shared tiers only; the disk and peer tiers belong to vLLM
+pods.
+*/}}
 {{- define "tiercache.serviceConfig" -}}
 {{- $cfg := include "tiercache.connectorConfig" . | fromJson -}}
 {{- $_ := unset $cfg "disk" -}}
+{{- $_ := unset $cfg "peer" -}}
 {{- toPrettyJson $cfg -}}
 {{- end -}}
 
@@ -243,4 +254,12 @@ prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | int | quote }}
 prometheus.io/path: /metrics
 {{- end }}
+{{- end -}}
+
+{{/*
+How many TCP ports from tiercache.peer.port each vLLM pod's NIXL agents listen in:
+PEER_PORT_SPAN in tiercache/config.py (tests/test_deploy_artifacts.py checks they agree).
+*/}}
+{{- define "tiercache.peerPortSpan" -}}
+100
 {{- end -}}
