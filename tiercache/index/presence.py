@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from redis.exceptions import NoScriptError
 
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.tiers import CPU, DISK
@@ -123,6 +126,58 @@ def instance_prefixes(
         InstancePrefix(name, int(counts[3 * i]), int(counts[3 * i + 1]), int(counts[3 * i + 2]))
         for i, name in enumerate(instances)
     ]
+
+
+def instance_prefixes_and_ttls(
+    redis: GuardedRedis,
+    model_digest: str,
+    block_hashes: list[bytes],
+    keys_of: Callable[[str], Sequence[str]],
+) -> tuple[list[InstancePrefix], dict[str, list[int]]]:
+    """As `instance_prefixes`, and for each live instance the time to live of each of
+    `keys_of(instance)` (keys under the deployment's hash tag), in milliseconds as
+    PTTL answers (-2: no such key), read in the same round trip as the prefixes: the
+    service asks so whether each instance's peer records are live at no extra cost.
+    Raises RedisUnavailable."""
+    instances = live_instances(redis, model_digest)
+    if not instances:
+        return [], {}
+    asked = {name: list(keys_of(name)) for name in instances}
+    keys = [presence_key(model_digest, name) for name in instances]
+    width = len(block_hashes[0]) if block_hashes else 0
+    cut = next((i for i, h in enumerate(block_hashes) if len(h) != width), len(block_hashes))
+    blob = b"".join(block_hashes[:cut])
+    script = redis.script(_LOOKUP)
+
+    def read() -> tuple[list, list]:
+        pipe = redis.client.pipeline(transaction=False)
+        if blob:
+            # EVALSHA, not the script object: a pipeline that carries a script object
+            # asks SCRIPT EXISTS first, a second round trip.
+            pipe.evalsha(script.sha, len(keys), *keys, width, blob)
+        for name in instances:
+            for key in asked[name]:
+                pipe.pttl(key)
+        results = pipe.execute(raise_on_error=False)
+        if not blob:
+            return [0] * (3 * len(instances)), results
+        counts, results = results[0], results[1:]
+        if isinstance(counts, NoScriptError):  # Redis restarted or flushed its scripts
+            counts = script(keys=keys, args=[width, blob])
+        elif isinstance(counts, Exception):
+            raise counts
+        return counts, results
+
+    counts, results = redis.call("presence", read)
+    prefixes = [
+        InstancePrefix(name, int(counts[3 * i]), int(counts[3 * i + 1]), int(counts[3 * i + 2]))
+        for i, name in enumerate(instances)
+    ]
+    ttls: dict[str, list[int]] = {}
+    for name in instances:
+        answers, results = results[: len(asked[name])], results[len(asked[name]) :]
+        ttls[name] = [answer if isinstance(answer, int) else -2 for answer in answers]
+    return prefixes, ttls
 
 
 class PresencePublisher:
