@@ -9,10 +9,16 @@ stay light. tests/test_service.py checks that the key format agrees with the reg
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tiercache.index.presence import live_instances
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tiercache.config import TierCacheConfig
 
 # PTTL's answer for a key that does not exist (or has just expired).
 NO_KEY = -2
@@ -85,3 +91,51 @@ def live_peers(redis: GuardedRedis, deployment: Deployment) -> list[PeerWorker]:
 
 def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def inspect_peers(config: TierCacheConfig, console: Console) -> int:
+    """`tiercache inspect --peers`: the live peers of each deployment of the config's
+    namespace. Exit 0 when there are some, 1 when none (the peer tier is off, or none
+    of the instances runs), 2 without redis_url, 3 when Redis does not answer."""
+    from rich.table import Table
+
+    from tiercache.index.redis_conn import RedisUnavailable
+    from tiercache.tiers.s3.passes import registered_deployments
+
+    if config.redis_url is None:
+        console.print("[red]peers are found through Redis: configure redis_url[/red]")
+        return 2
+    table = Table(title=f"live peers in namespace {config.namespace}")
+    for column in ("deployment", "model", "instance", "rank", "NIXL agent", "address", "record expires in"):
+        table.add_column(column)
+    redis = GuardedRedis(config.redis_url, config.redis)
+    try:
+        found = 0
+        for dep in sorted(registered_deployments(redis), key=lambda d: d.model_digest):
+            if dep.namespace != config.namespace:
+                continue
+            for worker in live_peers(redis, dep):
+                expires = "never" if worker.ttl_seconds is None else f"{worker.ttl_seconds:.1f}s"
+                table.add_row(
+                    dep.model_digest,
+                    dep.model,
+                    worker.instance,
+                    f"{worker.rank} ({worker.rank_digest})",
+                    worker.agent,
+                    worker.address or "-",
+                    expires,
+                )
+                found += 1
+    except RedisUnavailable as error:
+        console.print(f"[red]redis unavailable: {error}[/red]")
+        return 3
+    finally:
+        redis.close()
+    if not found:
+        console.print(
+            f"no live peers in namespace {config.namespace}: no running instance has the "
+            "peer tier on (peer.enabled)"
+        )
+        return 1
+    console.print(table)
+    return 0
