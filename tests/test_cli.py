@@ -19,8 +19,12 @@ import yaml
 
 from tiercache.config import RedisConfig, load_config
 from tiercache.connector.driver import ConnectorDriver
+from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_conn import GuardedRedis
+from tiercache.index.redis_index import Deployment, RedisIndex
 from tiercache.ops.local_stack import free_port
+from tiercache.tiers.peer.agent import PeerRecord
+from tiercache.tiers.peer.registry import PeerRegistry
 
 SLOT = 4096
 TIERCACHE = Path(sys.executable).with_name("tiercache")
@@ -179,6 +183,37 @@ def test_inspect_a_key_reports_each_tier(setup):
 
     assert run("inspect", key).returncode == 2  # a key needs a config
     assert run("inspect", "neither-a-file-nor-a-key").returncode == 2
+
+
+def test_inspect_peers_lists_the_live_peer_records(redis, redis_url, tmp_path):
+    """Instances whose workers keep a live peer record are listed, one row per rank;
+    one publishing presence only (peer tier off) is not; with no record, exit 1."""
+    path = tmp_path / "tiercache.yaml"
+    path.write_text(yaml.safe_dump({"namespace": "cli-ns", "redis_url": redis_url}))
+    ranks = (uuid.uuid4().hex[:16], uuid.uuid4().hex[:16])
+    dep = Deployment(uuid.uuid4().hex[:16], "cli-ns", "tiny-llama", 2, ranks, SLOT)
+    RedisIndex(redis).register(dep)
+    for instance in ("node-a", "node-c"):
+        presence = PresencePublisher(redis, dep.model_digest, instance)
+        presence.update(b"\x01" * 32, "cpu", True)
+        assert presence.flush()
+    registries = [PeerRegistry(redis, dep.model_digest, rank, "node-a", 30.0) for rank in ranks]
+    for rank, registry in enumerate(registries):
+        assert registry.publish(PeerRecord(f"agent-{rank}", b"metadata", 0, SLOT, 8, 0, 0, 16))
+
+    listed = run("inspect", "--peers", "--config", str(path))
+
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if "node-" in line]
+    assert len(rows) == 2 and all("node-a" in row for row in rows), listed.stdout
+    assert "agent-0" in rows[0] and f"0 ({ranks[0]})" in rows[0]
+    assert "agent-1" in rows[1] and f"1 ({ranks[1]})" in rows[1]
+
+    for registry in registries:  # a clean shutdown removes the records
+        registry.close()
+    none = run("inspect", "--peers", "--config", str(path))
+    assert none.returncode == 1
+    assert "no live peers in namespace cli-ns" in none.stdout
 
 
 def test_serve_answers_healthz_then_stops_on_sigterm(setup):

@@ -15,6 +15,7 @@ from redis.cluster import key_slot
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
 from tiercache.index.leases import Claim, Leases, new_token
+from tiercache.index.presence import instance_prefixes_and_ttls, instances_key, presence_key
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex, index_keys
 from tiercache.tiers.cpu import CpuBuffer
@@ -132,4 +133,28 @@ def test_cluster_unreachable_at_startup_is_a_miss_not_a_crash():
     guarded = GuardedRedis("redis+cluster://127.0.0.1:1", SETTINGS)
     with pytest.raises(RedisUnavailable):
         RedisIndex(guarded).longest_prefix(digest(), [digest()], hashes(2))
+    guarded.close()
+
+
+def test_presence_and_peer_record_ttls_in_one_script_through_a_cluster(cluster):
+    """The service's lookup reads each instance's presence and its peer records' TTLs
+    in one script call: through a cluster too, the keys sharing the deployment's slot."""
+    guarded = GuardedRedis(cluster.url, SETTINGS)
+    model, rank = digest(), digest()
+    blocks = hashes(3)
+    # Written as PresencePublisher lays it out (whose full rewrite renames in a
+    # pipeline, a command redis-py refuses in a cluster pipeline).
+    guarded.client.hset(presence_key(model, "node-a"), mapping={block: 1 for block in blocks[:2]})
+    guarded.client.zadd(instances_key(model), {"node-a": time.time() + 30})
+    record = f"tc:{{{model}}}:peer:{rank}:node-a"
+    guarded.client.set(record, b"x", px=30_000)
+
+    def keys_of(name):
+        return [record, f"tc:{{{model}}}:peer:{rank}:{name}-gone"]
+
+    prefixes, ttls = instance_prefixes_and_ttls(guarded, model, blocks, keys_of)
+
+    assert [(p.instance, p.cpu, p.disk, p.local) for p in prefixes] == [("node-a", 2, 0, 2)]
+    live, gone = ttls["node-a"]
+    assert 0 < live <= 30_000 and gone == -2
     guarded.close()

@@ -21,9 +21,12 @@ from tiercache.index.block_hashing import BlockHashing
 from tiercache.index.keys import block_key
 from tiercache.index.presence import PresencePublisher
 from tiercache.index.redis_index import REGISTRY, Deployment, blocks_key, parse_location, runs_key
+from tiercache.ops.peers import peer_record_key
 from tiercache.ops.service import MAX_LOOKUP_HASHES, collect_stats, create_app
 from tiercache.ops.service.models import MAX_LOOKUP_TOKENS
 from tiercache.tiers.cpu import CpuBuffer
+from tiercache.tiers.peer.agent import PeerRecord
+from tiercache.tiers.peer.registry import PeerRegistry, record_key
 from tiercache.tiers.s3.tier import S3Tier, make_client
 
 SLOT = 4096
@@ -208,11 +211,11 @@ def test_lookup_finds_the_longest_prefix_per_deployment(stack, redis):
         "block_size": None,  # registered without its block hashing
         "requested_blocks": 6,
         "prefix_blocks": 4,
-        "tiers": {"s3": 4, "disk": 4},
+        "tiers": {"s3": 4, "disk": 4, "peer": None},
         "instances": [],
         "error": None,
     }
-    assert by_digest[sharded.model_digest]["tiers"] == {"s3": 2, "disk": 0}
+    assert by_digest[sharded.model_digest]["tiers"] == {"s3": 2, "disk": 0, "peer": None}
     assert body["deployments"][0]["model_digest"] == single.model_digest  # longest first
     # A router asking is not an access: GC order is unchanged.
     scores_after = redis.client.zrange(
@@ -279,13 +282,22 @@ def test_lookup_by_token_ids_hashes_as_each_deployment_does(stack, redis):
     first, second = body["deployments"]
     assert first["model_digest"] == dep.model_digest
     assert (first["block_size"], first["requested_blocks"], first["error"]) == (16, 4, None)
-    assert first["tiers"] == {"s3": 3, "disk": 3}
+    assert first["tiers"] == {"s3": 3, "disk": 3, "peer": None}
     assert first["instances"] == [
-        {"instance": "node-a", "cpu": 4, "disk": 2, "prefix_blocks": 4},
-        {"instance": "node-b", "cpu": 0, "disk": 0, "prefix_blocks": 3},  # S3 serves it three
+        {"instance": "node-a", "cpu": 4, "disk": 2, "prefix_blocks": 4, "peer": False, "peer_blocks": 0},
+        {
+            "instance": "node-b",
+            "cpu": 0,
+            "disk": 0,
+            "prefix_blocks": 3,
+            "peer": False,
+            "peer_blocks": 0,
+        },  # S3 serves it three
     ]
     assert (second["block_size"], second["requested_blocks"], second["prefix_blocks"]) == (32, 2, 1)
-    assert second["instances"] == [{"instance": "node-c", "cpu": 0, "disk": 1, "prefix_blocks": 1}]
+    assert second["instances"] == [
+        {"instance": "node-c", "cpu": 0, "disk": 1, "prefix_blocks": 1, "peer": False, "peer_blocks": 0}
+    ]
     # The same answer by hashes, for the deployment whose hashes they are.
     hexes = [h.hex() for h in hashes]
     by_hashes = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": hexes})
@@ -294,6 +306,71 @@ def test_lookup_by_token_ids_hashes_as_each_deployment_does(stack, redis):
     redis.client.zadd(f"tc:{{{dep.model_digest}}}:instances", {"node-b": time.time() - 1})
     body = client.post("/v1/lookup", json={"namespace": "ns1", "token_ids": tokens}).json()
     assert [i["instance"] for i in body["deployments"][0]["instances"]] == ["node-a"]
+
+
+def publish_peer(redis, deployment, instance, *, cpu_blocks=(), ranks=None, ttl=30.0):
+    """What a worker with the peer tier on publishes, without its NIXL agent: its
+    instance's presence (these blocks in its CPU tier) and each rank's peer record."""
+    presence = PresencePublisher(redis, deployment.model_digest, instance)
+    for block in cpu_blocks:
+        presence.update(block, "cpu", True)
+    assert presence.flush()
+    for rank in deployment.rank_digests if ranks is None else ranks:
+        record = PeerRecord(f"tc-{instance}-{rank}", b"nixl metadata", 0, SLOT, 8, 0, 0, 16)
+        assert PeerRegistry(redis, deployment.model_digest, rank, instance, ttl).publish(record)
+
+
+def test_lookup_counts_peer_blocks_of_instances_with_live_peer_records(stack, redis):
+    """Blocks in a live instance's CPU tier count as tier `peer` only while every rank
+    of it keeps a live peer record; an instance with its peer tier off, or whose
+    record expired, serves no one else."""
+    config, client = stack
+    prompt = blocks(4)
+    dep = store(config, prompt[:1], tiers=("s3",))
+    publish_peer(redis, dep, "node-a", cpu_blocks=prompt)  # holds everything, peer on
+    publish_peer(redis, dep, "node-b", cpu_blocks=prompt[:1])  # peer on, holds one
+    plain = PresencePublisher(redis, dep.model_digest, "node-c")  # peer tier off
+    for block in prompt[:3]:
+        plain.update(block, "cpu", True)
+    assert plain.flush()
+    # Two ranks: one record missing makes the instance no peer (rank r reads rank r).
+    sharded = store(config, [], tp=2)
+    publish_peer(redis, sharded, "node-d", cpu_blocks=prompt, ranks=sharded.rank_digests[:1])
+    ask = {"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
+
+    by_digest = {d["model_digest"]: d for d in client.post("/v1/lookup", json=ask).json()["deployments"]}
+
+    hit = by_digest[dep.model_digest]
+    assert hit["tiers"] == {"s3": 1, "disk": 0, "peer": 4}
+    assert hit["prefix_blocks"] == 4
+    assert hit["instances"] == [
+        # A tie goes to the instance holding the blocks itself.
+        {"instance": "node-a", "cpu": 4, "disk": 0, "prefix_blocks": 4, "peer": True, "peer_blocks": 1},
+        {"instance": "node-b", "cpu": 1, "disk": 0, "prefix_blocks": 4, "peer": True, "peer_blocks": 4},
+        {"instance": "node-c", "cpu": 3, "disk": 0, "prefix_blocks": 3, "peer": False, "peer_blocks": 0},
+    ]
+    assert by_digest[sharded.model_digest]["tiers"]["peer"] is None
+    assert by_digest[sharded.model_digest]["instances"][0]["peer"] is False
+
+    # Redis lost its scripts (a restart): the same answer, the script loaded again.
+    redis.client.script_flush()
+    again = client.post("/v1/lookup", json=ask).json()["deployments"]
+    assert next(d for d in again if d["model_digest"] == dep.model_digest) == hit
+
+    # node-a's workers stop refreshing: once its record expires, no one reads from it.
+    for rank in dep.rank_digests:
+        redis.client.pexpire(peer_record_key(dep.model_digest, rank, "node-a"), 1)
+    time.sleep(0.05)
+    hit = client.post("/v1/lookup", json=ask).json()["deployments"]
+    hit = next(d for d in hit if d["model_digest"] == dep.model_digest)
+    assert hit["tiers"]["peer"] == 1  # node-b's own
+    by_name = {i["instance"]: i for i in hit["instances"]}
+    assert (by_name["node-a"]["peer"], by_name["node-a"]["prefix_blocks"]) == (False, 4)  # still its own
+    assert (by_name["node-b"]["peer_blocks"], by_name["node-b"]["prefix_blocks"]) == (0, 1)
+
+
+def test_peer_record_keys_are_the_ones_workers_write():
+    assert peer_record_key("a" * 16, "b" * 16, "node-a") == record_key("a" * 16, "b" * 16, "node-a")
 
 
 def test_lookup_by_token_ids_says_why_a_deployment_cannot_be_hashed(stack, redis):
@@ -871,7 +948,7 @@ def test_lookup_of_a_hybrid_model_ends_where_every_kv_cache_group_can_serve(stac
     response = client.post("/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]})
 
     (hit,) = [d for d in response.json()["deployments"] if d["model_digest"] == model_digest]
-    assert hit["prefix_blocks"] == 4 and hit["tiers"] == {"s3": 4, "disk": 4}
+    assert hit["prefix_blocks"] == 4 and hit["tiers"] == {"s3": 4, "disk": 4, "peer": None}
 
 
 def test_lookup_names_blocks_under_the_weights_epoch_a_deployment_registered(stack, redis):
@@ -888,4 +965,4 @@ def test_lookup_names_blocks_under_the_weights_epoch_a_deployment_registered(sta
         "/v1/lookup", json={"namespace": "ns1", "block_hashes": [h.hex() for h in prompt]}
     ).json()
     assert body["prefix_blocks"] == 3
-    assert body["deployments"][0]["tiers"] == {"s3": 3, "disk": 3}
+    assert body["deployments"][0]["tiers"] == {"s3": 3, "disk": 3, "peer": None}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
@@ -36,16 +37,20 @@ DEFAULT_INTERVAL = 1.0
 _BATCH = 2000
 _CHUNK = 1000  # HMGET arguments per call in the lookup script (Lua's unpack limit)
 
-# KEYS: each instance's presence hash. ARGV: member width, members concatenated.
-# Returns, per instance, three numbers: leading blocks in its CPU tier, on its disk,
-# and in either (what it can load without recomputing or going to S3).
+# KEYS: each instance's presence hash, then (optionally) other keys of the deployment.
+# ARGV: member width, members concatenated, and how many of KEYS are presence hashes
+# (absent: all). Returns, per instance, three numbers: leading blocks in its CPU tier,
+# on its disk, and in either (what it can load without recomputing or going to S3);
+# then each other key's PTTL.
 _LOOKUP = (
     """
 local width = tonumber(ARGV[1])
 local blob = ARGV[2]
+local holders = tonumber(ARGV[3]) or #KEYS
 local n = #blob / width
 local out = {}
-for _, key in ipairs(KEYS) do
+for k = 1, holders do
+  local key = KEYS[k]
   local cpu, disk, any = -1, -1, -1
   local i = 1
   while i <= n and any < 0 do
@@ -73,6 +78,9 @@ for _, key in ipairs(KEYS) do
   out[#out + 1] = cpu
   out[#out + 1] = disk
   out[#out + 1] = any
+end
+for k = holders + 1, #KEYS do
+  out[#out + 1] = redis.call('PTTL', KEYS[k])
 end
 return out
 """
@@ -123,6 +131,42 @@ def instance_prefixes(
         InstancePrefix(name, int(counts[3 * i]), int(counts[3 * i + 1]), int(counts[3 * i + 2]))
         for i, name in enumerate(instances)
     ]
+
+
+def instance_prefixes_and_ttls(
+    redis: GuardedRedis,
+    model_digest: str,
+    block_hashes: list[bytes],
+    keys_of: Callable[[str], Sequence[str]],
+) -> tuple[list[InstancePrefix], dict[str, list[int]]]:
+    """As `instance_prefixes`, and for each live instance the time to live of each of
+    `keys_of(instance)` (keys under the deployment's hash tag), in milliseconds as
+    PTTL answers (-2: no such key), read by the same script as the prefixes: the
+    service asks so whether each instance's peer records are live at no extra round
+    trip (a script, not a pipeline: redis-py refuses EVALSHA in a cluster pipeline).
+    Raises RedisUnavailable."""
+    instances = live_instances(redis, model_digest)
+    if not instances:
+        return [], {}
+    asked = {name: list(keys_of(name)) for name in instances}
+    keys = [presence_key(model_digest, name) for name in instances]
+    keys += [key for name in instances for key in asked[name]]
+    # No blocks: one byte wide and none of them, so every count is 0.
+    width = len(block_hashes[0]) if block_hashes else 1
+    cut = next((i for i, h in enumerate(block_hashes) if len(h) != width), len(block_hashes))
+    blob = b"".join(block_hashes[:cut])
+    script = redis.script(_LOOKUP)
+    counts = redis.call("presence", lambda: script(keys=keys, args=[width, blob, len(instances)]))
+    results = counts[3 * len(instances) :]
+    prefixes = [
+        InstancePrefix(name, int(counts[3 * i]), int(counts[3 * i + 1]), int(counts[3 * i + 2]))
+        for i, name in enumerate(instances)
+    ]
+    ttls: dict[str, list[int]] = {}
+    for name in instances:
+        answers, results = results[: len(asked[name])], results[len(asked[name]) :]
+        ttls[name] = [int(answer) for answer in answers]
+    return prefixes, ttls
 
 
 class PresencePublisher:

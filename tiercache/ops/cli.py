@@ -229,12 +229,22 @@ def inspect(
         help="Token ids (comma-separated, or @FILE holding a JSON list): show where its cached prefix lives.",
     ),
     block_size: int = typer.Option(32, "--block-size", min=1, help="vLLM's block size, with --prompt."),
+    peers: bool = typer.Option(
+        False,
+        "--peers",
+        help="List the live peers of each deployment of the namespace: instances whose workers "
+        "serve their CPU tier to the others over NIXL (peer.enabled).",
+    ),
     config: Path = typer.Option(None, "--config", "-c", envvar="TIERCACHE_CONFIG", help=CONFIG_HELP),
 ) -> None:
-    """Show what an object is (header, checksum check), where a key lives, or how much
-    of a prompt's prefix is cached in which tier."""
+    """Show what an object is (header, checksum check), where a key lives, how much
+    of a prompt's prefix is cached in which tier, or which instances serve the peer tier."""
     from tiercache.ops.object_info import inspect_prompt, inspect_target
 
+    if peers:
+        from tiercache.ops.peers import inspect_peers
+
+        raise typer.Exit(inspect_peers(_load(config), console))
     if prompt is not None:
         try:
             raw = Path(prompt[1:]).read_text() if prompt.startswith("@") else f"[{prompt}]"

@@ -76,6 +76,13 @@ class TierBlocks(BaseModel):
         description="Leading blocks every TP rank holds on this node's disk tier "
         "(null when the service has no `disk.path`).",
     )
+    peer: int | None = Field(
+        None,
+        description="Leading blocks a live instance with the peer tier on holds in its CPU "
+        "tier (the most of any): what the deployment's other instances with the peer tier "
+        "on can read from it over NIXL. Null when no live instance has the peer tier on "
+        "(every TP rank's peer record live).",
+    )
 
 
 class InstanceHit(BaseModel):
@@ -88,7 +95,18 @@ class InstanceHit(BaseModel):
     disk: int = Field(description="Leading blocks on its disk tier (every TP rank's).")
     prefix_blocks: int = Field(
         description="The longest prefix it can load without recomputing: its CPU and disk "
-        "tiers together, or the shared S3 tier where that holds more."
+        "tiers together, or another instance's CPU tier over the peer tier (`peer_blocks`), "
+        "or the shared S3 tier, whichever holds most."
+    )
+    peer: bool = Field(
+        False,
+        description="Whether its peer tier is on: every TP rank's worker keeps a live peer "
+        "record, so the other instances can read its CPU tier and it can read theirs.",
+    )
+    peer_blocks: int = Field(
+        0,
+        description="Leading blocks it can read from another live instance's CPU tier over "
+        "the peer tier (0 when its own or every other instance's peer tier is off).",
     )
 
 

@@ -19,9 +19,10 @@ from tiercache.errors import GcBusy
 from tiercache.index.block_hashing import BlockHashing
 from tiercache.index.keys import block_key
 from tiercache.index.kv_groups import FULL, GroupRule, best_end, group_key
-from tiercache.index.presence import instance_prefixes
+from tiercache.index.presence import InstancePrefix, instance_prefixes_and_ttls
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment, RedisIndex
+from tiercache.ops.peers import record_keys, serves_peers
 from tiercache.ops.service.auth import ServiceTokens, TokenCheck
 from tiercache.ops.service.models import (
     MAX_LOOKUP_HASHES,
@@ -259,11 +260,11 @@ class ServiceState:
             )
             hexes = [h.hex() for h in keys]
             disk = self._disk_prefix(dep.rank_digests, hexes) if self.disk is not None else None
-        instances = [
-            InstanceHit(instance=p.instance, cpu=p.cpu, disk=p.disk, prefix_blocks=max(p.local, s3))
-            for p in instance_prefixes(self.redis, dep.model_digest, raw)
-        ]
-        instances.sort(key=lambda i: (-i.prefix_blocks, i.instance))
+        prefixes, ttls = instance_prefixes_and_ttls(
+            self.redis, dep.model_digest, raw, lambda name: record_keys(dep, name)
+        )
+        instances = self._instance_hits(prefixes, ttls, s3)
+        serving = [p.cpu for p in prefixes if serves_peers(ttls[p.instance])]
         best_instance = instances[0].prefix_blocks if instances else 0
         return DeploymentHit(
             model_digest=dep.model_digest,
@@ -272,10 +273,35 @@ class ServiceState:
             block_size=dep.block_size or None,
             requested_blocks=len(raw) if error is None else 0,
             prefix_blocks=max(s3, disk or 0, best_instance),
-            tiers=TierBlocks(s3=s3, disk=disk),
+            tiers=TierBlocks(s3=s3, disk=disk, peer=max(serving) if serving else None),
             instances=instances,
             error=error,
         )
+
+    @staticmethod
+    def _instance_hits(
+        prefixes: list[InstancePrefix], ttls: dict[str, list[int]], s3: int
+    ) -> list[InstanceHit]:
+        """Each live instance's hit: its own tiers, what it can read from a peer (an
+        instance reads another's CPU tier only while both have the peer tier on) and
+        S3. Longest prefix first; on a tie, the instance holding more itself first (a
+        local read beats one over the network), then by name."""
+        serving = {p.instance: p.cpu for p in prefixes if serves_peers(ttls[p.instance])}
+        ranked = []
+        for p in prefixes:
+            from_peer = 0
+            if p.instance in serving:
+                from_peer = max((cpu for name, cpu in serving.items() if name != p.instance), default=0)
+            hit = InstanceHit(
+                instance=p.instance,
+                cpu=p.cpu,
+                disk=p.disk,
+                prefix_blocks=max(p.local, from_peer, s3),
+                peer=p.instance in serving,
+                peer_blocks=from_peer,
+            )
+            ranked.append(((-hit.prefix_blocks, -p.local, p.instance), hit))
+        return [hit for _, hit in sorted(ranked, key=lambda item: item[0])]
 
     def _group_prefixes(self, dep: Deployment, raw: list[bytes]) -> tuple[int, int | None]:
         """A hybrid model's prefix in S3 and on disk: the longest one every KV cache
