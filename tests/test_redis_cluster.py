@@ -15,7 +15,14 @@ from redis.cluster import key_slot
 from tiercache.config import RedisConfig, build_config
 from tiercache.engine import S3, ObjectShape, TierEngine
 from tiercache.index.leases import Claim, Leases, new_token
-from tiercache.index.presence import instance_prefixes_and_ttls, instances_key, presence_key
+from tiercache.index.presence import (
+    PresencePublisher,
+    instance_prefixes,
+    instance_prefixes_and_ttls,
+    instances_key,
+    live_instances,
+    presence_key,
+)
 from tiercache.index.redis_conn import GuardedRedis, RedisUnavailable
 from tiercache.index.redis_index import Deployment, RedisIndex, index_keys
 from tiercache.tiers.cpu import CpuBuffer
@@ -158,3 +165,26 @@ def test_presence_and_peer_record_ttls_in_one_script_through_a_cluster(cluster):
     live, gone = ttls["node-a"]
     assert 0 < live <= 30_000 and gone == -2
     guarded.close()
+
+
+def test_presence_is_published_through_a_cluster(cluster):
+    """An instance's presence, written whole (its first batch, or after Redis lost it)
+    and then batch by batch, reaches a Redis Cluster: the whole rewrite renamed its
+    staging copy inside a pipeline, which redis-py's cluster pipeline refuses, so no
+    instance was ever seen through a cluster."""
+    guarded = GuardedRedis(cluster.url, SETTINGS)
+    model = digest()
+    blocks = hashes(3)
+    publisher = PresencePublisher(guarded, model, "node-a", ttl=30, interval=5)
+    try:
+        publisher.update(blocks[0], "cpu", True)
+        publisher.update(blocks[1], "cpu", True)
+        assert publisher.flush()  # the whole copy
+        assert live_instances(guarded, model) == ["node-a"]
+        assert [p.cpu for p in instance_prefixes(guarded, model, blocks)] == [2]
+        publisher.update(blocks[2], "cpu", True)
+        assert publisher.flush()  # a batch of changes
+        assert [p.cpu for p in instance_prefixes(guarded, model, blocks)] == [3]
+    finally:
+        publisher.close()
+        guarded.close()

@@ -258,9 +258,11 @@ class PresencePublisher:
             self.redis.call("presence", lambda m=mapping: stage(m))
 
         def publish():
+            # The rename on its own: redis-py's cluster pipeline refuses RENAME.
+            if items:
+                self.redis.client.rename(staging, self.key)  # the whole new copy appears at once
             pipe = self.redis.client.pipeline(transaction=False)
             if items:
-                pipe.rename(staging, self.key)  # the whole new copy appears at once
                 pipe.pexpire(self.key, self._ttl_ms)
             else:
                 pipe.delete(self.key)
