@@ -14,12 +14,13 @@ import pytest
 
 from tiercache.ops.tiny_model import write_tiny_llama
 from tiercache.ops.vllm_runner import assert_same_output, connector_config, loading_every_hit, run_engine
-from tiercache.tiers.peer.agent import load_nixl
+
+from support.nixl import needs_nixl
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(load_nixl() is None, reason="NIXL (nixl-cu12) is not installed"),
+    needs_nixl,
 ]
 
 BLOCK = 32
@@ -27,7 +28,7 @@ rng = random.Random(4747)
 PROMPT = [rng.randrange(1, 2000) for _ in range(6 * BLOCK + 7)]  # 6 full blocks to load
 
 
-def spec(model: str, redis_url: str, name: str, prompts: list[dict]) -> dict:
+def spec(model: str, redis_url: str, name: str, prompts: list[dict], tp: int) -> dict:
     extra = {
         "cpu": {"capacity": 64 * 1024 * 1024},
         "redis_url": redis_url,
@@ -43,10 +44,13 @@ def spec(model: str, redis_url: str, name: str, prompts: list[dict]) -> dict:
         "counters": "vllm:tiercache_loaded_blocks",
         # Two engines at once: each takes a small share of host memory for its KV.
         "gpu_memory_utilization": 0.05,
+        "tensor_parallel_size": tp,
     }
 
 
-def test_an_engine_answers_from_another_engines_cpu_tier(tmp_path: Path, redis_url):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_an_engine_answers_from_another_engines_cpu_tier(tmp_path: Path, redis_url, tp: int):
+    """With TP=2 on both, each rank reads its own shard from the holder's same rank."""
     model = str(write_tiny_llama(tmp_path / "llama", seed=0))
     stored, read = tmp_path / "stored", tmp_path / "read"
     holder = spec(
@@ -59,6 +63,7 @@ def test_an_engine_answers_from_another_engines_cpu_tier(tmp_path: Path, redis_u
             {"touch": str(stored)},
             {"wait_for": str(read), "timeout": 400},  # alive while the other reads
         ],
+        tp,
     )
     reader = spec(
         model,
@@ -69,6 +74,7 @@ def test_an_engine_answers_from_another_engines_cpu_tier(tmp_path: Path, redis_u
             {"name": "from_peer", "ids": PROMPT},
             {"touch": str(read)},
         ],
+        tp,
     )
     # Both start at once: their engine start-ups overlap.
     with ThreadPoolExecutor(2) as pool:
@@ -80,6 +86,7 @@ def test_an_engine_answers_from_another_engines_cpu_tier(tmp_path: Path, redis_u
     computed = held["results"][0]
     from_peer = loaded["results"][0]
     assert from_peer["num_cached_tokens"] == 6 * BLOCK, loaded["log"]
-    assert from_peer["counters"].get("tier=peer") == 6, from_peer["counters"]
+    # vLLM sums the workers' counts: each rank loaded its shard of the 6 blocks.
+    assert from_peer["counters"].get("tier=peer") == 6 * tp, from_peer["counters"]
     assert computed["counters"].get("tier=peer", 0) == 0
     assert_same_output(from_peer, computed)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from connector.driver import ConnectorDriver
-from tiercache.tiers.peer.agent import load_nixl
 
+from support.nixl import needs_nixl
 from support.peer_instance import BLOCK, BLOCKS, blocks, computed, instance
 
-pytestmark = pytest.mark.skipif(load_nixl() is None, reason="NIXL (nixl-cu12) is not installed")
+pytestmark = needs_nixl
 
 HOLDER = Path(__file__).parent / "support" / "peer_instance.py"
 

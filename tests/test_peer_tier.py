@@ -22,10 +22,11 @@ from tiercache.tiers.peer import PeerTier
 from tiercache.tiers.peer.agent import load_nixl
 from tiercache.tiers.peer.table import SlotTable
 
+from support.nixl import needs_nixl
 from support.peer_holder import block_bytes, block_hash, fill, shape_for
 
 nixl = load_nixl()
-needs_nixl = pytest.mark.skipif(nixl is None, reason="NIXL (nixl-cu12) is not installed")
+
 
 SLOTS = 16
 SLOT_BYTES = 64 * 1024
