@@ -124,6 +124,27 @@ class Served:
         return sum(tier is not None for tier in self.tiers)
 
 
+def byte_block_spec(model: str, block_bytes: int, namespace: str) -> KVSpec:
+    """The KV layout a ConnectorDriver's worker has: one layer whose page is a block's
+    bytes. Another process building a worker of the same deployment (a peer) needs
+    the same spec to share its digests."""
+    return KVSpec(
+        model=model,
+        revision="",
+        dtype="uint8",
+        kv_dtype="auto",
+        block_size=BLOCK_SIZE,
+        layout="bytes",
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=block_bytes,
+        tp_size=1,
+        tp_rank=0,
+        namespace=namespace,
+        page_bytes=block_bytes,
+    )
+
+
 class ConnectorDriver:
     def __init__(
         self,
@@ -148,22 +169,7 @@ class ConnectorDriver:
         self.config = config
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
-        # One layer whose page is the block's bytes.
-        spec = KVSpec(
-            model=model,
-            revision="",
-            dtype="uint8",
-            kv_dtype="auto",
-            block_size=BLOCK_SIZE,
-            layout="bytes",
-            num_layers=1,
-            num_kv_heads=1,
-            head_size=block_bytes,
-            tp_size=1,
-            tp_rank=0,
-            namespace=config.namespace,
-            page_bytes=block_bytes,
-        )
+        spec = byte_block_spec(model, block_bytes, config.namespace)
         kv_cache_config = _KVCacheConfig([_KVCacheGroup(_KVSpecOfGroup(block_bytes), [LAYER])], num_blocks)
         # Typed as Any: the driver hands the scheduler duck-typed stand-ins for vLLM's
         # request, block, scheduler-output and connector-output objects.

@@ -123,54 +123,34 @@ def test_protected_blocks_fall_back_to_probation_past_their_share(drivers):
     assert tier_of(cache, 100) is None
 
 
-def test_s3_takes_only_blocks_asked_for_again(tmp_path, redis_url, s3_endpoint, bucket):
-    config = build_config(
-        {
-            "redis_url": redis_url,
-            "cpu": {"capacity": 2 * BLOCK},
-            "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
-            "movers": {"policy": "selective", "cost_model": "off"},
-        },
-        environ={},
-    )
-    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
+def driver(redis_url, s3_endpoint, bucket, model, *, disk=None, **movers) -> ConnectorDriver:
+    """The selective policy over a 2-block CPU tier and S3, with a disk where `disk` names one."""
+    config_data: dict = {
+        "redis_url": redis_url,
+        "cpu": {"capacity": 2 * BLOCK},
+        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
+        "movers": {"policy": "selective", "cost_model": "off", **movers},
+    }
+    if disk is not None:
+        config_data["disk"] = {"path": str(disk), "capacity": 8 * OBJECT}
+    return ConnectorDriver(build_config(config_data, environ={}), BLOCK, model=model)
+
+
+@pytest.mark.parametrize("with_disk", [False, True], ids=["s3", "disk-and-s3"])
+def test_s3_takes_only_blocks_asked_for_again(tmp_path, redis_url, s3_endpoint, bucket, with_disk):
+    """Each victim goes to its own tiers: a block asked for once is not uploaded, and
+    while the disk has room it is written there (a merge once took the scheduler's list
+    of tiers twice in a step, the second time empty, and every victim went everywhere)."""
+    disk = tmp_path / "disk" if with_disk else None
+    cache = driver(redis_url, s3_endpoint, bucket, uuid.uuid4().hex, disk=disk)
     try:
         put(cache, 0)  # asked for once
         assert cache.get(block(1)) is None
         put(cache, 1)  # asked for twice
         put(cache, 2)
         put(cache, 3)  # 0 and 1 are evicted
-        s3, rank = cache.engine.s3, cache.shape.rank_digest
-        uploaded = {
-            h for _, run, _, _ in s3.list_runs(rank) for h in s3.read_run_header(rank, run).block_hashes
-        }
-        assert uploaded == {block(1)}
-    finally:
-        cache.close()
-
-
-def test_a_block_the_disk_takes_goes_to_s3_only_if_asked_for_again(tmp_path, redis_url, s3_endpoint, bucket):
-    """Each victim goes to its own tiers: while the disk has room a block asked for once
-    is written to disk and not to S3 (a merge once took the scheduler's list of tiers
-    twice in a step, the second time empty, and every victim went everywhere)."""
-    config = build_config(
-        {
-            "redis_url": redis_url,
-            "cpu": {"capacity": 2 * BLOCK},
-            "disk": {"path": str(tmp_path / "disk"), "capacity": 8 * OBJECT},
-            "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
-            "movers": {"policy": "selective", "cost_model": "off"},
-        },
-        environ={},
-    )
-    cache = ConnectorDriver(config, BLOCK, model=uuid.uuid4().hex)
-    try:
-        put(cache, 0)  # asked for once
-        assert cache.get(block(1)) is None
-        put(cache, 1)  # asked for twice
-        put(cache, 2)
-        put(cache, 3)  # 0 and 1 are evicted
-        assert on_disk(cache) == {0, 1}
+        if with_disk:
+            assert on_disk(cache) == {0, 1}
         assert uploaded(cache) == {block(1)}
     finally:
         cache.close()

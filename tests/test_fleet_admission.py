@@ -9,36 +9,11 @@ from __future__ import annotations
 import time
 import uuid
 
-import numpy as np
+from test_admission import block, data, driver, uploaded
 
-from tiercache.config import build_config
 from tiercache.connector.driver import ConnectorDriver
 from tiercache.index.request_counts import FleetRequestCounts
-from tiercache.object_shape import ObjectShape
 from tiercache.tiers import CPU, S3
-
-BLOCK = 4096
-OBJECT = ObjectShape("0" * 16, "0" * 16, BLOCK).object_bytes
-
-
-def block(i: int) -> bytes:
-    return i.to_bytes(4, "big") * 8
-
-
-def data(i: int) -> bytes:
-    return np.random.default_rng(i).bytes(BLOCK)
-
-
-def driver(redis_url, s3_endpoint, bucket, model, *, disk=None, **movers) -> ConnectorDriver:
-    config_data: dict = {
-        "redis_url": redis_url,
-        "cpu": {"capacity": 2 * BLOCK},
-        "s3": {"bucket": bucket, "endpoint_url": s3_endpoint, "region": "us-east-1"},
-        "movers": {"policy": "selective", "cost_model": "off", **movers},
-    }
-    if disk is not None:
-        config_data["disk"] = {"path": str(disk), "capacity": 8 * OBJECT}
-    return ConnectorDriver(build_config(config_data, environ={}), BLOCK, model=model)
 
 
 def serve(cache: ConnectorDriver, *blocks: int) -> list[str | None]:
@@ -46,11 +21,6 @@ def serve(cache: ConnectorDriver, *blocks: int) -> list[str | None]:
     served = cache.serve([block(i) for i in blocks], [data(i) for i in blocks])
     assert cache.flush(30)
     return served.tiers
-
-
-def uploaded(cache: ConnectorDriver) -> set[bytes]:
-    s3, rank = cache.engine.s3, cache.shape.rank_digest
-    return {h for _, run, _, _ in s3.list_runs(rank) for h in s3.read_run_header(rank, run).block_hashes}
 
 
 def on_disk(cache: ConnectorDriver, i: int) -> bool:
@@ -151,8 +121,9 @@ def test_fleet_counts_last_their_ttl_and_expire(redis):
     other = FleetRequestCounts(redis, model, ttl=ttl, remembered=16, popular_at=3)
     try:
         one.requested([block(1), block(2)])
+        assert one.wait()  # each batch's answer is the count as of its own send
         other.requested([block(1)])
-        assert one.wait() and other.wait()
+        assert other.wait()
         assert (one.count(block(1)), one.count(block(2)), other.count(block(1))) == (1, 1, 2)
         other.requested([block(1)])
         assert other.wait() and other.count(block(1)) == 3

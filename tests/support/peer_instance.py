@@ -67,31 +67,16 @@ def main(argv: list[str]) -> None:
     sys.modules["vllm"] = None  # type: ignore[assignment]
     import torch
 
-    from connector.driver import BLOCK_SIZE, LAYER
+    from connector.driver import LAYER, byte_block_spec
     from connector.metadata import BlockOp, TierCacheMetadata
     from connector.worker import TierCacheWorker
-    from tiercache.index.keys import KVSpec
     from tiercache.index.presence import PresencePublisher
     from tiercache.index.redis_conn import GuardedRedis
     from tiercache.tiers import CPU
 
     settings = config(redis_url, name)
     # The spec ConnectorDriver gives its worker: the same deployment and rank digests.
-    spec = KVSpec(
-        model=model,
-        revision="",
-        dtype="uint8",
-        kv_dtype="auto",
-        block_size=BLOCK_SIZE,
-        layout="bytes",
-        num_layers=1,
-        num_kv_heads=1,
-        head_size=BLOCK,
-        tp_size=1,
-        tp_rank=0,
-        namespace=settings.namespace,
-        page_bytes=BLOCK,
-    )
+    spec = byte_block_spec(model, BLOCK, settings.namespace)
     worker = TierCacheWorker(settings, spec, spec.model_digest(), BLOCKS, 0, True, 0, [[LAYER]])
     kv = torch.zeros((BLOCKS, BLOCK), dtype=torch.uint8)
     worker.register_kv_caches({LAYER: kv}, BLOCK)
