@@ -12,7 +12,9 @@ Settings, one after another, each with two fresh engines (instance ids `a` and `
 of every ratio), `s3` (CPU tier + S3 on moto in its own process, with Redis) and
 `peer` (CPU tier + the peer tier with Redis presence, no S3: an engine loads the
 other's CPU-tier blocks over NIXL). Model, KV cache size, traces and client flags are
-serve.py's; the working set is several times either engine's KV cache.
+serve.py's; the working set is several times either engine's KV cache. On
+`multi_turn` the number of users is odd, so each user's next turn goes to the engine
+that did not serve the previous one.
 
 The router is a small async HTTP proxy in this process (starlette on uvicorn, httpx
 to the engines): request i goes to engine i mod 2, streamed responses pass through
@@ -51,6 +53,7 @@ from serve import (  # noqa: E402
     settle,
     summarize,
     tiercache_env,
+    turns_sent_early,
     wait_for_quiet_machine,
     warm_up,
     working_set_blocks,
@@ -253,6 +256,8 @@ def run_setting(
                 ]
                 summary["foreign_cores"] = monitor.foreign_cores(t0, t1)
                 summary["settle_s"] = settled
+                if trace == "multi_turn":
+                    summary["turns_sent_early"] = turns_sent_early(result, args)
                 out["traces"][trace] = {
                     "summary": summary,
                     "ttfts": result["ttfts"],
@@ -410,7 +415,8 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=128)
     parser.add_argument("--requests", type=int, default=36, help="prefix_repetition requests")
-    parser.add_argument("--users", type=int, default=12)
+    # Odd, so that round robin sends each user's next turn to the other engine.
+    parser.add_argument("--users", type=int, default=11)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--context-len", type=int, default=1024, help="each user's first context")
     parser.add_argument("--message-len", type=int, default=64)
@@ -435,7 +441,7 @@ def main() -> None:
         print(table(json.loads((RESULTS / f"{args.name}.json").read_text())))
         return
     if args.smoke:
-        args.prefixes, args.requests, args.users, args.turns = 4, 8, 4, 2
+        args.prefixes, args.requests, args.users, args.turns = 4, 8, 3, 2
         args.name = args.name if args.name != "serve_pair" else "serve_pair-smoke"
     data = run(args)
     save(args.name, data)
