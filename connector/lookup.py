@@ -50,7 +50,8 @@ class Lookups(SchedulerBase):
         # Then another live instance's CPU tier (the peer tier), then S3.
         peer = ""
         if rest < limit and self.peers is not None:
-            found_at = self.peers.holder([bytes(h) for h in request.block_hashes[rest:limit]])
+            # Presence names blocks as this scheduler does (keyed by the weights epoch).
+            found_at = self.peers.holder([bytes(h) for h in hashes[rest:limit]])
             if found_at is not None:
                 peer, held_there = found_at
                 keys = [bytes(h) for h in hashes[rest : rest + held_there]]

@@ -59,6 +59,29 @@ def test_a_block_computed_by_one_instance_is_loaded_by_another_from_its_cpu_tier
         a.close()
 
 
+def test_instances_on_the_same_new_weights_share_and_others_do_not(redis_url, model):
+    """After the same in-place update and prefix-cache reset on every instance (one
+    weights epoch), blocks are named by their epoch keys, in presence too: the peer
+    lookup must ask for those names (it asked for vLLM's raw hashes and found nothing
+    after any reset, as in an RL fleet after every step). An instance on other
+    weights finds nothing."""
+    a, b, c = (instance(redis_url, name, model) for name in "abc")
+    try:
+        for driver, epoch in ((a, b"\x01"), (b, b"\x01"), (c, b"\x02")):
+            driver.scheduler._weights_epoch = epoch * 16  # what reset_cache settles on
+        hashes, pages = blocks(4)
+        assert a.serve(hashes, pages).hits == 0
+        a.deliver_reports()
+        assert a.scheduler.tier_events.presence.flush()
+        served = b.serve(hashes)
+        assert served.tiers == ["peer"] * BLOCKS
+        assert [bytes(kv) for kv in served.kv] == pages
+        assert c.serve(hashes).tiers == [None] * BLOCKS
+    finally:
+        for driver in (c, b, a):
+            driver.close()
+
+
 def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on(redis_url, model):
     a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
     try:
