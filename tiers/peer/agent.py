@@ -11,11 +11,13 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +30,14 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 _POLL_SECONDS = 0.0002
+# Microseconds NIXL's progress thread sleeps between passes. NIXL's Python API starts
+# it with none: a thread that spins a whole core per worker, idle or not (0.98 of a
+# core measured), which on a small host takes the forward's cores. A holder must keep
+# progressing (UCX over TCP answers a read only when the holder progresses), so the
+# thread stays, paced: at 100 us an idle agent used 0.02 of a core, and a peer read
+# of 16-64 blocks took no longer than with the spinning thread.
+PROGRESS_DELAY_US = 100
+_CONFIG_SWAP = threading.Lock()
 
 
 def load_nixl() -> ModuleType | None:
@@ -115,6 +125,36 @@ def _ucx_settings(host: str | None, port: int) -> Iterator[None]:
                 os.environ.pop(name, None)
 
 
+@contextlib.contextmanager
+def _paced_progress(nixl: ModuleType, delay_us: int) -> Iterator[None]:
+    """Agents made in this block get a progress thread that sleeps `delay_us` between
+    passes. NIXL's Python wrapper sets its C++ config's pthrDelay to 0 with no way to
+    pass another, so for the wrapper's call its config class is a subclass whose
+    pthrDelay never goes below `delay_us` (swapped back at once, under a lock)."""
+    bind: Any = getattr(getattr(nixl, "_api", None), "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None or delay_us <= 0:
+        yield  # another NIXL layout: its own default
+        return
+    raw = base.pthrDelay
+
+    class PacedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return raw.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            raw.__set__(self, max(int(value), delay_us))
+
+    with _CONFIG_SWAP:
+        bind.nixlAgentConfig = PacedConfig
+        try:
+            yield
+        finally:
+            bind.nixlAgentConfig = base
+
+
 def interface_of(host: str) -> str | None:
     import psutil
 
@@ -135,13 +175,14 @@ class NixlAgent:
         *,
         host: str | None = None,
         port: int = 0,
+        progress_delay_us: int = PROGRESS_DELAY_US,
     ):
         self.buffer = buffer
         self.table = table
         # Unique per process start: a restarted holder is a new agent to its readers.
         self.name = f"{name_hint}-{uuid.uuid4().hex[:8]}"
         config = nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-        with _ucx_settings(host, port):
+        with _ucx_settings(host, port), _paced_progress(nixl, progress_delay_us):
             self._agent = nixl.nixl_agent(self.name, config)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend here")
