@@ -14,7 +14,7 @@ from tiercache.tiers import CPU, PEER, S3
 
 from .groups import group_key
 from .scheduler_base import SchedulerBase
-from .scheduler_state import Lookup, S3Answer
+from .scheduler_state import Lookup, PeerAnswer, S3Answer
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -49,9 +49,17 @@ class Lookups(SchedulerBase):
         rest = first + len(tiers)
         # Then another live instance's CPU tier (the peer tier), then S3.
         peer = ""
+        peer_answer = earlier.peer_answer if earlier is not None else None
         if rest < limit and self.peers is not None:
-            # Presence names blocks as this scheduler does (keyed by the weights epoch).
-            found_at = self.peers.holder([bytes(h) for h in hashes[rest:limit]])
+            # A waiting request is asked about every step: presence's answer is reused
+            # while it says, as S3's is.
+            if peer_answer is not None and peer_answer.says(rest, limit, time.monotonic()):
+                found_at = peer_answer.holder_from(rest)
+            else:
+                # Presence names blocks as this scheduler does (keyed by the weights epoch).
+                found_at = self.peers.holder([bytes(h) for h in hashes[rest:limit]])
+                instance, held_count = found_at if found_at is not None else (None, 0)
+                peer_answer = PeerAnswer(rest, limit, instance, held_count, time.monotonic())
             if found_at is not None:
                 peer, held_there = found_at
                 keys = [bytes(h) for h in hashes[rest : rest + held_there]]
@@ -75,7 +83,12 @@ class Lookups(SchedulerBase):
         else:
             LOOKUP_BLOCKS.inc(limit - first)
         lookup = self._lookups[request.request_id] = Lookup(
-            num_computed_tokens, tiers, self._step, s3=s3, peer=peer if PEER in tiers else ""
+            num_computed_tokens,
+            tiers,
+            self._step,
+            s3=s3,
+            peer=peer if PEER in tiers else "",
+            peer_answer=peer_answer,
         )
         held = hashes[first : first + len(tiers)]
         # Counted once vLLM acts on it (update_state_after_alloc): it may ask again.

@@ -40,6 +40,34 @@ class S3Answer:
 
 
 @dataclass
+class PeerAnswer:
+    """What presence said of a request's blocks from `start` on: live instance
+    `instance` holds the next `held` in its CPU tier (None: no instance held any)."""
+
+    start: int
+    limit: int
+    instance: str | None
+    held: int
+    asked_at: float
+
+    def says(self, rest: int, limit: int, now: float) -> bool:
+        """Whether this answer says who holds the blocks from block `rest` on: it looked
+        from there (or from before, and the holder's run reaches it), up to `limit`,
+        lately."""
+        if limit != self.limit or now - self.asked_at > S3_LOOKUP_REUSE_SECONDS:
+            return False
+        if self.instance is None:
+            return rest == self.start
+        return self.start <= rest < self.start + self.held
+
+    def holder_from(self, rest: int) -> tuple[str, int] | None:
+        """(instance, blocks it holds from block `rest` on), where `says` it."""
+        if self.instance is None:
+            return None
+        return self.instance, self.start + self.held - rest
+
+
+@dataclass
 class Lookup:
     num_computed_tokens: int
     tiers: list[str]  # tier of each block past the local hit, in order
@@ -56,6 +84,8 @@ class Lookup:
     plan: list[tuple[int, int, str]] = field(default_factory=list)
     load_async: bool = False  # what vLLM was told: the plan keeps to it
     peer: str = ""  # the instance whose CPU tier holds the hit's peer blocks
+    # What presence said, kept while the request waits (S3_LOOKUP_REUSE_SECONDS).
+    peer_answer: PeerAnswer | None = None
     s3: S3Answer | None = None  # kept while the request waits (S3_LOOKUP_REUSE_SECONDS)
     # Several KV cache groups: what S3 holds of their blocks, reused alike.
     group_s3: GroupS3Answer | None = None

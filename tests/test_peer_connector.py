@@ -11,13 +11,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from connector.driver import ConnectorDriver
+from connector.driver import BLOCK_SIZE, ConnectorDriver
 
 from support.nixl import needs_nixl
 from support.peer_instance import BLOCK, BLOCKS, blocks, computed, instance
@@ -80,6 +82,45 @@ def test_instances_on_the_same_new_weights_share_and_others_do_not(redis_url, mo
     finally:
         for driver in (c, b, a):
             driver.close()
+
+
+def test_a_waiting_request_asks_redis_for_its_peer_once(redis_url, model):
+    """vLLM asks about a waiting request every step: presence's answer of who holds its
+    blocks is reused while it holds, as S3's is, rather than a script call per step."""
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        hashes, pages = blocks(5)
+        computed(a, hashes, pages)
+        request = SimpleNamespace(
+            request_id="waiting",
+            block_hashes=hashes,
+            num_tokens=BLOCKS * BLOCK_SIZE + 1,
+            num_prompt_tokens=BLOCKS * BLOCK_SIZE + 1,
+        )
+        matched = BLOCKS * BLOCK_SIZE
+        assert b.scheduler.get_num_new_matched_tokens(request, 0) == (matched, True)
+        sent = commands_sent(b.scheduler.redis.client)
+        for _ in range(3):
+            assert b.scheduler.get_num_new_matched_tokens(request, 0) == (matched, True)
+        assert sent == []
+    finally:
+        b.close()
+        a.close()
+
+
+def commands_sent(client) -> list:
+    """The commands `client` sends from this thread from now on (its presence thread
+    shares it)."""
+    sent: list = []
+    send, caller = client.execute_command, threading.get_ident()
+
+    def counted(*args, **kwargs):
+        if threading.get_ident() == caller:
+            sent.append(args[0])
+        return send(*args, **kwargs)
+
+    client.execute_command = counted
+    return sent
 
 
 def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on(redis_url, model):
