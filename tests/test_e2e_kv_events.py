@@ -175,6 +175,7 @@ def test_events_carry_the_tiers_and_lookups_answer_from_them(tmp_path, redis, re
             cpu, disk = subscriber.held("CPU"), subscriber.held("STORAGE")
             want = {"instance": INSTANCE, "cpu": leading(hashes, cpu), "disk": leading(hashes, disk)}
             want["prefix_blocks"] = leading(hashes, cpu | disk)
+            want |= {"peer": False, "peer_blocks": 0}  # this engine's peer tier is off
             by_tokens = service.post("/v1/lookup", json={"namespace": NAMESPACE, "token_ids": tokens})
             by_hashes = service.post(
                 "/v1/lookup", json={"namespace": NAMESPACE, "block_hashes": [h.hex() for h in hashes]}
