@@ -4,7 +4,6 @@ request's answer still holds, and a hit short of CPU room cut in one pass."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,8 @@ from tiercache.connector.groups import FULL, STATE, WINDOW, GroupRule, group_key
 from tiercache.connector.scheduler import TierCacheScheduler, slot_bytes_for
 from tiercache.index.keys import KVSpec
 from tiercache.index.redis_index import RedisIndex, RunRecord, runs_key
+
+from support.redis_commands import commands_sent
 
 
 def scheduler(kinds, slots: int = 64, **settings) -> TierCacheScheduler:
@@ -53,21 +54,8 @@ def with_s3(redis):
 
 
 def count_commands(sched) -> list:
-    """Every command the scheduler's Redis client sends from this thread from now on,
-    in order. The client is shared with the presence thread, whose batches (a DEL
-    before a rewrite) are not the lookup's and come when they come."""
-    client = sched.redis.client
-    sent: list = []
-    send = client.execute_command
-    caller = threading.get_ident()
-
-    def counted(*args, **kwargs):
-        if threading.get_ident() == caller:
-            sent.append(args[0])
-        return send(*args, **kwargs)
-
-    client.execute_command = counted
-    return sent
+    """Every command the scheduler's Redis client sends from this thread from now on."""
+    return commands_sent(sched.redis.client)
 
 
 def test_a_hybrid_ask_is_one_round_trip_and_the_next_ask_reuses_its_answer(with_s3):

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ from connector.driver import BLOCK_SIZE, ConnectorDriver
 
 from support.nixl import needs_nixl
 from support.peer_instance import BLOCK, BLOCKS, blocks, computed, instance
+from support.redis_commands import commands_sent
 
 pytestmark = needs_nixl
 
@@ -106,21 +106,6 @@ def test_a_waiting_request_asks_redis_for_its_peer_once(redis_url, model):
     finally:
         b.close()
         a.close()
-
-
-def commands_sent(client) -> list:
-    """The commands `client` sends from this thread from now on (its presence thread
-    shares it)."""
-    sent: list = []
-    send, caller = client.execute_command, threading.get_ident()
-
-    def counted(*args, **kwargs):
-        if threading.get_ident() == caller:
-            sent.append(args[0])
-        return send(*args, **kwargs)
-
-    client.execute_command = counted
-    return sent
 
 
 def test_a_slot_the_holder_rewrites_during_the_read_is_a_miss_from_that_block_on(redis_url, model):
