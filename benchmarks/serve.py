@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -506,17 +507,59 @@ def git_state() -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def prepare_run(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:
+    """The work folder, the benchmark model written in it, and what every result
+    file starts with (machine, commit, arguments, model)."""
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     model = write_tiny_llama(work / "model", vocab_size=VOCAB, max_positions=args.max_model_len, **MODEL)
     write_word_tokenizer(model, VOCAB)
-    sizes = {trace: working_set_blocks(trace, args) for trace in args.traces}
-    data: dict[str, Any] = {
+    head = {
         "machine": machine(),
         "git": git_state(),
         "args": vars(args),
         "model": {**MODEL, "vocab_size": VOCAB, "dtype": "float32", "kv_block_bytes": KV_BLOCK_BYTES},
+    }
+    return work, model, head
+
+
+def run_each(
+    data: dict[str, Any],
+    section: str,
+    names: list[str],
+    run_one: Callable[..., dict[str, Any]],
+    add_ratios: Callable[[dict[str, Any]], None],
+    args: argparse.Namespace,
+    work: Path,
+    model: Path,
+) -> dict[str, Any]:
+    """`run_one(name, args, work, model, monitor)` for each name, into data[section];
+    one that fails is recorded and the others still run, and the results are saved
+    after each (partial results survive a later failure)."""
+    print(json.dumps(data["sizes_blocks"]), flush=True)
+    monitor = CpuMonitor()
+    began = time.monotonic()
+    try:
+        for name in names:
+            try:
+                data[section][name] = run_one(name, args, work, model, monitor)
+            except Exception as e:  # noqa: BLE001 - one failing must not lose the others
+                data[section][name] = {"error": f"{type(e).__name__}: {e}"[-4000:]}
+                print(f"{section[:-1]} {name} failed: {e}", flush=True)
+            add_ratios(data)
+            save(args.name, data)
+    finally:
+        monitor.stop()
+    data["wall_s"] = time.monotonic() - began
+    add_ratios(data)
+    return data
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work, model, head = prepare_run(args)
+    sizes = {trace: working_set_blocks(trace, args) for trace in args.traces}
+    data: dict[str, Any] = {
+        **head,
         "sizes_blocks": {
             "kv_cache": args.kv_blocks,
             "cpu_tier": args.cpu_blocks,
@@ -529,23 +572,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data["versions"] = {"project": versions(sys.executable)}
     if "lmcache" in args.configs:
         data["versions"]["lmcache_venv"] = versions(str(Path(args.lmcache_venv) / "bin" / "python"))
-    print(json.dumps(data["sizes_blocks"]), flush=True)
-    monitor = CpuMonitor()
-    began = time.monotonic()
-    try:
-        for name in args.configs:
-            try:
-                data["configs"][name] = run_config(name, args, work, model, monitor)
-            except Exception as e:  # noqa: BLE001 - one config failing must not lose the others
-                data["configs"][name] = {"error": f"{type(e).__name__}: {e}"[-4000:]}
-                print(f"config {name} failed: {e}", flush=True)
-            add_ratios(data)
-            save(args.name, data)  # partial results survive a later failure
-    finally:
-        monitor.stop()
-    data["wall_s"] = time.monotonic() - began
-    add_ratios(data)
-    return data
+    return run_each(data, "configs", args.configs, run_config, add_ratios, args, work, model)
 
 
 # -- reporting ---------------------------------------------------------------------------

@@ -38,17 +38,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RESULTS, CpuMonitor, machine, save, service_cpus, versions  # noqa: E402
+from harness import RESULTS, CpuMonitor, save, service_cpus, versions  # noqa: E402
 from serve import (  # noqa: E402
     BLOCK,
     COUNTERS,
     ENV,
     KV_BLOCK_BYTES,
-    MODEL,
-    VOCAB,
     client_args,
-    git_state,
+    prepare_run,
     run_client,
+    run_each,
     server_args,
     settle,
     summarize,
@@ -59,9 +58,7 @@ from serve import (  # noqa: E402
     working_set_blocks,
 )
 
-from tiercache.ops.tiny_model import write_tiny_llama  # noqa: E402
-
-from support.serving import VllmServer, metric, write_word_tokenizer  # noqa: E402
+from support.serving import VllmServer, metric  # noqa: E402
 
 SETTINGS = ("alone", "s3", "peer")
 TRACES = ("prefix_repetition", "multi_turn")
@@ -310,16 +307,10 @@ def add_ratios(data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(args.workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    model = write_tiny_llama(work / "model", vocab_size=VOCAB, max_positions=args.max_model_len, **MODEL)
-    write_word_tokenizer(model, VOCAB)
+    work, model, head = prepare_run(args)
     sizes = {trace: working_set_blocks(trace, args) for trace in args.traces}
     data: dict[str, Any] = {
-        "machine": machine(),
-        "git": git_state(),
-        "args": vars(args),
-        "model": {**MODEL, "vocab_size": VOCAB, "dtype": "float32", "kv_block_bytes": KV_BLOCK_BYTES},
+        **head,
         "sizes_blocks": {
             "kv_cache_per_engine": args.kv_blocks,
             "cpu_tier_per_engine": args.cpu_blocks,
@@ -329,23 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": {"project": versions(sys.executable)},
         "settings": {},
     }
-    print(json.dumps(data["sizes_blocks"]), flush=True)
-    monitor = CpuMonitor()
-    began = time.monotonic()
-    try:
-        for name in args.settings:
-            try:
-                data["settings"][name] = run_setting(name, args, work, model, monitor)
-            except Exception as e:  # noqa: BLE001 - one setting failing must not lose the others
-                data["settings"][name] = {"error": f"{type(e).__name__}: {e}"[-4000:]}
-                print(f"setting {name} failed: {e}", flush=True)
-            add_ratios(data)
-            save(args.name, data)  # partial results survive a later failure
-    finally:
-        monitor.stop()
-    data["wall_s"] = time.monotonic() - began
-    add_ratios(data)
-    return data
+    return run_each(data, "settings", args.settings, run_setting, add_ratios, args, work, model)
 
 
 # -- reporting -------------------------------------------------------------------------------
