@@ -19,7 +19,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 from test_tiers import TMP_PREFIX, bytes_under, key_of, object_size, store
 
-import tiercache.tiers.disk.tier as disk_module
+import tiercache.tiers.disk.room as room_module
 from tiercache.tiers.disk.tier import LINGER_SHARE, DiskTier
 
 
@@ -88,7 +88,7 @@ def test_what_a_killed_writer_leaves_is_counted_and_reclaimed_without_a_restart(
     mid-write, each time with evicted files lingering. The engine still running is not
     restarted: its next stores reclaim what the dead one left, and the root stays
     within one allowance."""
-    monkeypatch.setattr(disk_module, "UNUSED_RECHECK_SECONDS", 0.0)  # sweep at every eviction
+    monkeypatch.setattr(room_module, "UNUSED_RECHECK_SECONDS", 0.0)  # sweep at every eviction
     object_bytes = object_size(tmp_path)
     capacity = 64 * object_bytes
     bound = capacity + capacity // LINGER_SHARE
