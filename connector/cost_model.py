@@ -21,6 +21,9 @@ could never recover: once nothing has refreshed it for RECHECK_SECONDS, one requ
 loads from it again, and that load starts the tier's estimate afresh (what was
 measured before is that old).
 
+The same estimates choose between two tiers that hold the same blocks: a peer's CPU
+tier and this instance's disk (lookup.py), whichever is expected to load them sooner.
+
 No vLLM here: the scheduler and the unit tests drive it directly."""
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ class LoadCostModel:
             return 0.0
         predicted = estimate.predict(blocks)
         return 0.0 if predicted is None else predicted  # None: no sample yet, so unmeasured
+
+    def faster(self, tier: str, than: str, blocks: int) -> bool:
+        """Whether `blocks` blocks are expected to load from `tier` sooner than from
+        `than`. An unmeasured tier (or one due for a re-measure) counts as free, so
+        each is tried, and measured, before the other is preferred to it for good; on
+        a tie (both unmeasured) `than` keeps its place."""
+        return self.expected_load_seconds(tier, blocks) < self.expected_load_seconds(than, blocks)
 
     def blocks_to_load(self, tiers: Sequence[str], block_size: int) -> int:
         """How many blocks of a hit to load: `tiers` names the tier of each block of

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.index.redis_conn import RedisUnavailable
 from tiercache.metrics import LOOKUP_BLOCKS
-from tiercache.tiers import CPU, PEER, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 
 from .groups import group_key
 from .scheduler_base import SchedulerBase
@@ -47,25 +47,18 @@ class Lookups(SchedulerBase):
                 break
             tiers.append(tier)
         rest = first + len(tiers)
-        # Then another live instance's CPU tier (the peer tier), then S3.
+        # Then another live instance's CPU tier (the peer tier), in place of this
+        # instance's disk where the cost model expects the peer faster, then S3.
         peer = ""
         peer_answer = earlier.peer_answer if earlier is not None else None
-        if rest < limit and self.peers is not None:
-            # A waiting request is asked about every step: presence's answer is reused
-            # while it says, as S3's is.
-            if peer_answer is not None and peer_answer.says(rest, limit, time.monotonic()):
-                found_at = peer_answer.holder_from(rest)
-            else:
-                # Presence names blocks as this scheduler does (keyed by the weights epoch).
-                found_at = self.peers.holder([bytes(h) for h in hashes[rest:limit]])
-                instance, held_count = found_at if found_at is not None else (None, 0)
-                peer_answer = PeerAnswer(rest, limit, instance, held_count, time.monotonic())
-            if found_at is not None:
-                peer, held_there = found_at
-                keys = [bytes(h) for h in hashes[rest : rest + held_there]]
-                clear = self.load_failures.leading_clear(keys)
-                tiers.extend([PEER] * clear)
-                rest += clear
+        if self.peers is not None:
+            ask_from = self._peer_ask_from(tiers, first)
+            if ask_from < limit:
+                peer_answer, found_at = self._ask_peers(peer_answer, hashes, ask_from, limit)
+                if found_at is not None:
+                    peer = found_at[0]
+                    tiers = self._with_peer_blocks(tiers, hashes, first, ask_from, found_at[1])
+                    rest = first + len(tiers)
         s3 = earlier.s3 if earlier is not None else None
         if rest < limit and self.s3_index is not None:
             wanted = [bytes(h) for h in hashes[rest:limit]]
@@ -101,6 +94,45 @@ class Lookups(SchedulerBase):
             return 0, False
         lookup.load_async = self._is_async(tiers[:load], held[:load])
         return load * self.block_size, lookup.load_async
+
+    def _peer_ask_from(self, tiers: list[str], first: int) -> int:
+        """The block from which a peer's CPU tier is asked about: the first of this
+        instance's disk blocks where a peer may load them faster (by the cost model's
+        measures), else the first block no local tier holds."""
+        if DISK in tiers and self.cost is not None:
+            disk_at = tiers.index(DISK)
+            if self.cost.faster(PEER, DISK, tiers[disk_at:].count(DISK)):
+                return first + disk_at
+        return first + len(tiers)
+
+    def _ask_peers(
+        self, answer: PeerAnswer | None, hashes, ask_from: int, limit: int
+    ) -> tuple[PeerAnswer, tuple[str, int] | None]:
+        """(the answer, (instance, blocks it holds from `ask_from` on) or None). A
+        waiting request is asked about every step: presence's answer is reused while
+        it says, as S3's is."""
+        now = time.monotonic()
+        if answer is not None and answer.says(ask_from, limit, now):
+            return answer, answer.holder_from(ask_from)
+        # Presence names blocks as this scheduler does (keyed by the weights epoch).
+        found_at = self.peers.holder([bytes(h) for h in hashes[ask_from:limit]]) if self.peers else None
+        instance, held = found_at if found_at is not None else (None, 0)
+        return PeerAnswer(ask_from, limit, instance, held, now), found_at
+
+    def _with_peer_blocks(self, tiers: list[str], hashes, first: int, ask_from: int, held: int) -> list[str]:
+        """`tiers` with a peer's `held` blocks from `ask_from` on: in place of this
+        instance's disk blocks among them when the peer is expected faster for that
+        many (its CPU blocks stay: a local copy beats any transfer), and past the
+        local hit for as long as no recent load of them failed."""
+        start, end = ask_from - first, ask_from - first + held
+        tiers = list(tiers)
+        on_disk = tiers[start:end].count(DISK)
+        if on_disk and self.cost is not None and self.cost.faster(PEER, DISK, on_disk):
+            tiers[start:end] = [PEER if tier == DISK else tier for tier in tiers[start:end]]
+        if end > len(tiers):
+            past = [bytes(h) for h in hashes[first + len(tiers) : first + end]]
+            tiers.extend([PEER] * self.load_failures.leading_clear(past))
+        return tiers
 
     def _lookup_groups(
         self, request: Request, hashes, first: int, limit: int, num_computed_tokens: int

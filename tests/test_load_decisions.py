@@ -19,7 +19,7 @@ from tiercache.config import build_config, load_config
 from tiercache.connector.cost_model import RECHECK_SECONDS, LinearEstimate, LoadCostModel
 from tiercache.connector.forward_timer import ForwardTimer
 from tiercache.connector.metadata import FILLED, FORWARD, RELEASED, TierCacheWorkerMetadata
-from tiercache.tiers import CPU, DISK, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 
 NO_DISK = "/tmp/tiercache-unit-disk-never-created"
 
@@ -126,6 +126,18 @@ def test_lower_tiers_stage_in_parallel():
     than the disk blocks alone (28 ms)."""
     cost = model(disk=(0.0, 0.025), s3=(0.0, 0.0375))
     assert cost.blocks_to_load([DISK] * 4 + [S3] * 4, BLOCK) == 8
+
+
+def test_one_tier_is_preferred_to_another_holding_the_same_blocks_only_when_expected_faster():
+    """A peer's CPU tier against this instance's disk (connector/lookup.py)."""
+    assert not LoadCostModel(Clock()).faster(PEER, DISK, 4)  # neither measured: disk stays
+    assert model(disk=(0.0, 0.01)).faster(PEER, DISK, 4)  # the peer unmeasured: tried
+    measured_both = model(disk=(0.002, 0.01), peer=(0.0, 0.02))
+    assert not measured_both.faster(PEER, DISK, 4)
+    assert measured_both.faster(DISK, PEER, 4)
+    # A fixed cost against a per-block one: the answer turns with the size of the load.
+    first_byte = model(disk=(0.0, 0.01), peer=(0.02, 0.001))
+    assert not first_byte.faster(PEER, DISK, 1) and first_byte.faster(PEER, DISK, 8)
 
 
 def test_a_tier_judged_slow_is_measured_again_after_a_while():

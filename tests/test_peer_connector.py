@@ -277,6 +277,87 @@ def test_peer_blocks_come_after_local_ones_in_one_load(redis_url, model):
         a.close()
 
 
+@pytest.fixture
+def peers_seen_at_once(monkeypatch):
+    """b asks who is live when it computes, before a is: a is seen at b's next ask,
+    not up to LIVE_INSTANCES_SECONDS later."""
+    monkeypatch.setattr("connector.peer_lookup.LIVE_INSTANCES_SECONDS", 0.0)
+
+
+def on_disk_only(driver, hashes: list[bytes], pages: list[bytes]) -> None:
+    """`driver` computed the blocks and its CPU tier has since evicted them to its disk
+    (requests for other blocks took their slots)."""
+    driver.serve(hashes, pages)
+    assert driver.flush(30)
+    for seed in (101, 102, 103):
+        other_hashes, other_pages = blocks(seed)
+        driver.serve(other_hashes, other_pages)
+        assert driver.flush(30)
+    assert [driver.policy.local_tier(h) for h in hashes] == ["disk"] * BLOCKS
+    assert driver.scheduler.tier_events.presence.flush()  # no longer in its CPU tier
+
+
+def measured(driver, **load_seconds_per_block: float) -> None:
+    """The cost model has timed loads of 2 and 8 blocks from each named tier at these
+    seconds a block, and a prefill slower than any of them."""
+    cost = driver.scheduler.cost
+    cost.observe_forward(1000, 10.0)
+    for tier, per_block in load_seconds_per_block.items():
+        for count in (2, 8):
+            cost.observe_load(tier, count, per_block * count)
+
+
+@pytest.mark.parametrize("faster", ["peer", "disk"])
+def test_blocks_on_this_instances_disk_and_in_a_peers_cpu_tier_load_from_the_one_measured_faster(
+    redis_url, model, tmp_path, faster, peers_seen_at_once
+):
+    """The peer tier sits before disk in the lookup order where the cost model says
+    so: over RDMA a peer's memory can beat a local NVMe read, over TCP it may not."""
+    a = instance(redis_url, "a", model)
+    b = instance(redis_url, "b", model, disk=str(tmp_path / "disk"))
+    try:
+        hashes, pages = blocks(11)
+        on_disk_only(b, hashes, pages)  # before a holds them: b computes them itself
+        computed(a, hashes, pages)
+        slower = "disk" if faster == "peer" else "peer"
+        measured(b, **{faster: 0.001, slower: 0.05})
+        served = b.serve(hashes)
+        assert served.tiers == [faster] * BLOCKS
+        assert [bytes(kv) for kv in served.kv] == pages
+    finally:
+        b.close()
+        a.close()
+
+
+def test_an_unmeasured_peer_is_tried_in_place_of_a_measured_disk_then_judged(
+    redis_url, model, tmp_path, peers_seen_at_once
+):
+    """A tier never measured counts as free, so the first such hit reads the peer and
+    times it; once both are measured, the faster one serves."""
+    a = instance(redis_url, "a", model)
+    b = instance(redis_url, "b", model, disk=str(tmp_path / "disk"))
+    try:
+        hashes, pages = blocks(12)
+        on_disk_only(b, hashes, pages)
+        computed(a, hashes, pages)
+        measured(b, disk=0.05)
+        request = SimpleNamespace(
+            request_id="first",
+            block_hashes=hashes,
+            num_tokens=BLOCKS * BLOCK_SIZE + 1,
+            num_prompt_tokens=BLOCKS * BLOCK_SIZE + 1,
+        )
+        b.scheduler.get_num_new_matched_tokens(request, 0)
+        assert b.scheduler._lookups["first"].tiers == ["peer"] * BLOCKS
+        measured(b, peer=1.0)  # as if that read had been this slow
+        b.scheduler._lookups.clear()
+        b.scheduler.get_num_new_matched_tokens(request, 0)
+        assert b.scheduler._lookups["first"].tiers == ["disk"] * BLOCKS
+    finally:
+        b.close()
+        a.close()
+
+
 def test_without_nixl_the_tier_is_off_and_nothing_else_changes(redis_url, model, monkeypatch):
     a = instance(redis_url, "a", model)
     try:

@@ -346,8 +346,9 @@ class PeerConfig(_Strict):
     enabled: bool = Field(
         default=False,
         description="share this instance's CPU tier with the other live instances of the deployment over "
-        "NIXL, and load a request's blocks from theirs where this instance's CPU and disk tiers end, before "
-        "S3 (needs redis_url, presence.enabled and the nixl-cu12 package, without which the tier is off "
+        "NIXL, and load a request's blocks from theirs where this instance's CPU tier ends: in place of its "
+        "disk where the loads measured say a peer is faster, past it, and before S3 (needs redis_url, "
+        "presence.enabled and the nixl-cu12 package, without which the tier is off "
         "with a warning; instances share blocks only where their block hashes agree: a cryptographic "
         "prefix_caching_hash_algo, or one PYTHONHASHSEED; models of one KV cache group only)",
     )

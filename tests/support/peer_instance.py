@@ -21,10 +21,14 @@ BLOCK = 16 * 1024
 BLOCKS = 6
 
 
-def config(redis_url: str, name: str, *, peer: bool = True, namespace: str = "default") -> TierCacheConfig:
+def config(
+    redis_url: str, name: str, *, peer: bool = True, namespace: str = "default", disk: str | None = None
+) -> TierCacheConfig:
+    """`disk`: the folder of a disk tier (none by default)."""
     return build_config(
         {
             "cpu": {"capacity": 16 * BLOCK},
+            **({"disk": {"path": disk}} if disk else {}),
             "redis_url": redis_url,
             "namespace": namespace,
             "instance_id": name,
