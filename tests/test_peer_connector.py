@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from connector.driver import BLOCK_SIZE, ConnectorDriver
 
@@ -56,6 +57,29 @@ def test_a_block_computed_by_one_instance_is_loaded_by_another_from_its_cpu_tier
         b.deliver_reports()
         assert b.serve(hashes).tiers == ["cpu"] * BLOCKS
         assert a.worker.stats.data.get("loaded_blocks_peer") is None
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_block_loaded_from_a_peer_is_published_as_held_in_the_readers_cpu_tier(redis_url, model):
+    """vLLM's KV events say what the publishing instance holds: once a peer's block is
+    in the reader's own CPU tier, a `BlockStored` of vLLM's hash, medium CPU, local;
+    the holder's events are its own and unchanged by the read."""
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        a.scheduler.tier_events.publish = b.scheduler.tier_events.publish = True
+        hashes, pages = blocks(13)
+        computed(a, hashes, pages)
+        a.scheduler.tier_events.take()
+        assert b.serve(hashes).tiers == ["peer"] * BLOCKS
+        b.deliver_reports()
+        events = b.scheduler.tier_events.take()
+        assert [(type(e).__name__, e.medium, e.locality) for e in events] == [
+            ("BlockStored", "CPU", "LOCAL")
+        ] * BLOCKS
+        assert [maybe_convert_block_hash(h) for h in hashes] == [e.block_hashes[0] for e in events]
+        assert a.scheduler.tier_events.take() == []
     finally:
         b.close()
         a.close()
