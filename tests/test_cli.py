@@ -186,8 +186,9 @@ def test_inspect_a_key_reports_each_tier(setup):
 
 
 def test_inspect_peers_lists_the_live_peer_records(redis, redis_url, tmp_path):
-    """Instances whose workers keep a live peer record are listed, one row per rank;
-    one publishing presence only (peer tier off) is not; with no record, exit 1."""
+    """Instances whose workers keep a live peer record are listed, one row per rank,
+    with the address and port range their NIXL agents listen on; one publishing
+    presence only (peer tier off) is not; with no record, exit 1."""
     path = tmp_path / "tiercache.yaml"
     path.write_text(yaml.safe_dump({"namespace": "cli-ns", "redis_url": redis_url}))
     ranks = (uuid.uuid4().hex[:16], uuid.uuid4().hex[:16])
@@ -199,7 +200,8 @@ def test_inspect_peers_lists_the_live_peer_records(redis, redis_url, tmp_path):
         assert presence.flush()
     registries = [PeerRegistry(redis, dep.model_digest, rank, "node-a", 30.0) for rank in ranks]
     for rank, registry in enumerate(registries):
-        assert registry.publish(PeerRecord(f"agent-{rank}", b"metadata", 0, SLOT, 8, 0, 0, 16))
+        record = PeerRecord(f"agent-{rank}", b"metadata", 0, SLOT, 8, 0, 0, 16, host="10.1.2.3", port=5600)
+        assert registry.publish(record)
 
     listed = run("inspect", "--peers", "--config", str(path))
 
@@ -208,6 +210,7 @@ def test_inspect_peers_lists_the_live_peer_records(redis, redis_url, tmp_path):
     assert len(rows) == 2 and all("node-a" in row for row in rows), listed.stdout
     assert "agent-0" in rows[0] and f"0 ({ranks[0]})" in rows[0]
     assert "agent-1" in rows[1] and f"1 ({ranks[1]})" in rows[1]
+    assert all("10.1.2.3:5600-5699" in row for row in rows), listed.stdout
 
     for registry in registries:  # a clean shutdown removes the records
         registry.close()

@@ -298,6 +298,8 @@ def test_host_and_port_choose_where_the_agent_listens():
         opened = listening() - before
         assert opened and all(a.ip == "127.0.0.1" and port <= a.port < port + 100 for a in opened), opened
         assert "UCX_TCP_PORT_RANGE" not in os.environ  # set for this agent only
+        record = agent.record()  # what inspect --peers shows of it
+        assert (record.host, record.port) == ("127.0.0.1", port)
     finally:
         agent.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tiercache.config import PEER_PORT_SPAN
 from tiercache.index.presence import live_instances
 from tiercache.index.redis_conn import GuardedRedis
 from tiercache.index.redis_index import Deployment
@@ -50,7 +51,7 @@ class PeerWorker:
     rank: int  # its index in the deployment's rank digests: the TP rank
     rank_digest: str
     agent: str  # its NIXL agent's name
-    address: str | None  # host:port, where the record carries them
+    address: str | None  # host:first-last port (host alone: any port), where the record says
     ttl_seconds: float | None  # until the record expires unless refreshed; None: no expiry
 
 
@@ -75,7 +76,7 @@ def live_peers(redis: GuardedRedis, deployment: Deployment) -> list[PeerWorker]:
     for (name, rank), ttl, (agent, host, port) in zip(asked, answers[::2], answers[1::2], strict=True):
         if ttl == NO_KEY or agent is None:
             continue
-        address = f"{_text(host)}:{_text(port)}" if host and port else None
+        address = _address(_text(host), int(_text(port) or 0)) if host else None
         workers.append(
             PeerWorker(
                 instance=name,
@@ -87,6 +88,11 @@ def live_peers(redis: GuardedRedis, deployment: Deployment) -> list[PeerWorker]:
             )
         )
     return workers
+
+
+def _address(host: str, port: int) -> str:
+    """Where a worker's NIXL agent listens: its host, and its port range when fixed."""
+    return f"{host}:{port}-{port + PEER_PORT_SPAN - 1}" if port else host
 
 
 def _text(value: bytes | str) -> str:

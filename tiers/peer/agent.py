@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -71,6 +72,11 @@ class PeerRecord:
     headers_base: int
     directory_base: int
     entries: int
+    # Where operators find the worker (tiercache inspect --peers): peer.host, else the
+    # machine's name, and the first port of its range (0: any port). Readers never use
+    # them: NIXL's metadata carries the addresses UCX listens on.
+    host: str = ""
+    port: int = 0
 
     def layout(self) -> str:
         fields = {name: getattr(self, name) for name in _LAYOUT_FIELDS}
@@ -179,6 +185,8 @@ class NixlAgent:
     ):
         self.buffer = buffer
         self.table = table
+        self.host = host or socket.gethostname()
+        self.port = port
         # Unique per process start: a restarted holder is a new agent to its readers.
         self.name = f"{name_hint}-{uuid.uuid4().hex[:8]}"
         config = nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
@@ -204,6 +212,8 @@ class NixlAgent:
             headers_base=self.table.headers.data_ptr(),
             directory_base=self.table.directory.data_ptr(),
             entries=self.table.entries,
+            host=self.host,
+            port=self.port,
         )
 
     def connect(self, record: PeerRecord) -> None:

@@ -48,7 +48,13 @@ class PeerRegistry:
         """Write this worker's record and (re)start its TTL. False when Redis did not take it."""
         self._record = record
         key = record_key(self.model_digest, self.rank_digest, self.instance)
-        fields = {"agent": record.agent, "metadata": record.metadata, "layout": record.layout()}
+        fields = {
+            "agent": record.agent,
+            "metadata": record.metadata,
+            "layout": record.layout(),
+            "host": record.host,
+            "port": record.port,
+        }
 
         def write():
             pipe = self.redis.client.pipeline(transaction=False)
