@@ -88,7 +88,7 @@ class PeerRecord:
         fields = json.loads(layout)
         if fields.get("version") != LAYOUT_VERSION:
             raise ValueError(f"peer layout version {fields.get('version')!r}")
-        values = {name: int(fields[name]) for name in _LAYOUT_FIELDS}
+        values: dict[str, Any] = {name: int(fields[name]) for name in _LAYOUT_FIELDS}
         return cls(agent=agent.decode(), metadata=metadata, **values)
 
 
