@@ -139,6 +139,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def median_interval(values: list[float], resamples: int = 4000) -> tuple[float, float]:
+    """A 95% interval of the median of `values`: the 2.5th and 97.5th percentiles of the
+    medians of `resamples` resamples drawn with replacement (seeded: one set of values
+    gives one interval). Too few values to resample give (nan, nan)."""
+    if len(values) < 3:
+        return float("nan"), float("nan")
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def machine() -> dict[str, Any]:
     """The machine and the packages a result was measured with."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BLOCK, median, prompt, save, ttft, write_model  # noqa: E402
+from harness import BLOCK, median, median_interval, prompt, save, ttft, write_model  # noqa: E402
 
 from tiercache.ops.local_stack import RedisServer, seaweedfs_process  # noqa: E402
 from tiercache.ops.vllm_runner import connector_config, loading_every_hit, run_engine  # noqa: E402
@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for kind in ("cold", "peer", "peer-cpu", "disk", "s3"):
             row[f"{kind}_ttft_median"] = median([ttft(by_name[f"{kind}/{n}/{r}"]) for r in keys])
         for kind in ("peer", "disk", "s3"):
-            row[f"{kind}_vs_cpu"] = median(
-                [ttft(by_name[f"{kind}/{n}/{r}"]) / ttft(by_name[f"{kind}-cpu/{n}/{r}"]) for r in keys]
-            )
+            ratios = [ttft(by_name[f"{kind}/{n}/{r}"]) / ttft(by_name[f"{kind}-cpu/{n}/{r}"]) for r in keys]
+            row[f"{kind}_vs_cpu"] = median(ratios)
+            row[f"{kind}_vs_cpu_interval"] = median_interval(ratios)
         row["cold_vs_cpu"] = median(
             [ttft(by_name[f"cold/{n}/{r}"]) / ttft(by_name[f"peer-cpu/{n}/{r}"]) for r in keys]
         )
@@ -174,6 +174,16 @@ def report(data: dict[str, Any]) -> None:
             f"{row['s3_ttft_median']:7.3f}  "
             f"{row['peer_vs_cpu']:8.2f}  {row['disk_vs_cpu']:8.2f}  {row['s3_vs_cpu']:6.2f}  "
             f"{row['peer_vs_s3']:7.2f}  {row['cold_vs_cpu']:8.2f}"
+        )
+    print("95% interval of each median ratio to the CPU hit (bootstrap over prompts):")
+    for n, row in data["table"].items():
+        print(
+            f"{n:>6}  "
+            + "  ".join(
+                f"{kind}/cpu {low:.2f}-{high:.2f}"
+                for kind in ("peer", "disk", "s3")
+                for low, high in [row[f"{kind}_vs_cpu_interval"]]
+            )
         )
     print("reader's loaded blocks by tier:", data["loaded_blocks_reader"])
     print("restarted holder's loaded blocks by tier:", data["loaded_blocks_restarted"])

@@ -94,3 +94,16 @@ def test_trace_replay_keeps_its_s3_tier_under_capacity_with_the_gc(tmp_path):
     assert runs["write_through"]["gc_evicted_runs"] > 0
     for run in runs.values():
         assert sum(run["hits"].values()) <= report["infinite_hits"]
+
+
+def test_a_median_interval_holds_the_median_and_narrows_with_agreeing_values():
+    sys.path.insert(0, str(BENCHMARKS))
+    from harness import median_interval
+
+    spread = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4]
+    low, high = median_interval(spread)
+    assert low < 1.7 < high and 1.0 <= low and high <= 2.4
+    tight_low, tight_high = median_interval([1.69, 1.7, 1.71] * 3)
+    assert high - low > tight_high - tight_low
+    assert median_interval(spread) == (low, high)  # seeded: one set, one interval
+    assert all(value != value for value in median_interval([1.0, 2.0]))  # too few: nan
