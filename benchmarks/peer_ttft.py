@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BLOCK, median, median_interval, prompt, save, ttft, write_model  # noqa: E402
+from harness import BLOCK, MODEL, median, median_interval, prompt, save, ttft, write_model  # noqa: E402
 
 from tiercache.ops.local_stack import RedisServer, seaweedfs_process  # noqa: E402
 from tiercache.ops.vllm_runner import connector_config, loading_every_hit, run_engine  # noqa: E402
@@ -41,9 +41,21 @@ from tiercache.ops.vllm_runner import connector_config, loading_every_hit, run_e
 BUCKET = "tc-peer-ttft"
 
 
-def kv(redis_url: str, name: str, disk: Path, peer: bool, s3_url: str) -> dict[str, Any]:
+# KV bytes of one block of the benchmark model: K and V, float32, every layer.
+BLOCK_BYTES = 2 * 4 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * BLOCK
+
+
+def cpu_capacity(prompts: dict[tuple[int, int], list[int]]) -> int:
+    """A CPU tier that holds every prompt's blocks with room to spare: the holder must
+    still hold the first prompt when the reader asks for it, else that read is an S3
+    hit measured as a peer one."""
+    blocks = sum(len(ids) // BLOCK + 1 for ids in prompts.values()) + 32  # + the warm-ups
+    return max(2**30, int(1.25 * blocks * BLOCK_BYTES))
+
+
+def kv(redis_url: str, name: str, disk: Path, peer: bool, s3_url: str, cpu_bytes: int) -> dict[str, Any]:
     extra = {
-        "cpu": {"capacity": "1GiB"},
+        "cpu": {"capacity": cpu_bytes},
         "disk": {"path": str(disk), "capacity": "8GiB"},
         "s3": {"bucket": BUCKET, "endpoint_url": s3_url, "region": "us-east-1", "capacity": "8GiB"},
         "redis_url": redis_url,
@@ -76,6 +88,7 @@ def request(name: str, ids: list[int]) -> dict[str, Any]:
 
 def engines(base, env, work, disk, redis_url, s3_url, prompts, warm, first_read, stored, read):
     """The four engines of the docstring, in order; each one's output."""
+    cpu_bytes = cpu_capacity(prompts)
     holder_items = [request("warm", warm), request("first_read", first_read)]
     holder_items += [request(f"cold/{n}/{r}", ids) for (n, r), ids in prompts.items()]
     holder_items += [{"sleep": 1}, {"touch": str(stored)}, {"wait_for": str(read), "timeout": 1800}]
@@ -86,13 +99,13 @@ def engines(base, env, work, disk, redis_url, s3_url, prompts, warm, first_read,
     in_process = {"in_process": True}  # clear_vllm_prefix_cache reaches the engine core
     holder = {
         **base,
-        "kv_transfer_config": kv(redis_url, "holder", disk, True, s3_url),
+        "kv_transfer_config": kv(redis_url, "holder", disk, True, s3_url, cpu_bytes),
         "prompts": holder_items,
     }
     reader = {
         **base,
         **in_process,
-        "kv_transfer_config": kv(redis_url, "reader", work / "reader-disk", True, s3_url),
+        "kv_transfer_config": kv(redis_url, "reader", work / "reader-disk", True, s3_url, cpu_bytes),
         "prompts": reader_items,
     }
 
@@ -109,7 +122,8 @@ def engines(base, env, work, disk, redis_url, s3_url, prompts, warm, first_read,
     for name, folder in (("disk", disk), ("s3", work / "empty-disk")):
         items = [request("warm", warm[::-1][1:]), request("first_read", first_read)]
         items += hit_then_cpu_hit(name, prompts)
-        spec = {**base, **in_process, "kv_transfer_config": kv(redis_url, name, folder, False, s3_url)}
+        config = kv(redis_url, name, folder, False, s3_url, cpu_bytes)
+        spec = {**base, **in_process, "kv_transfer_config": config}
         outputs.append(run_engine({**spec, "prompts": items}, work / "runs", env, 3600))
     return outputs
 
