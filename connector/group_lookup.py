@@ -84,15 +84,17 @@ class GroupS3Answer:
 class PeerSpan:
     """The blocks a peer's CPU tier is planned to serve: indexes [start, stop) of every
     group, from `instance`; in place of this instance's disk blocks there too where
-    `over_disk` (the cost model expects the peer sooner)."""
+    `over_disk` (the cost model expects the peer sooner). A state group's block only
+    at `stop - 1`: a holder keeps a state only where its prefill stopped, and its run
+    of this request's blocks ends where its own prompt did or left this one's."""
 
     instance: str
     start: int
     stop: int
     over_disk: bool
 
-    def serves(self, index: int, local: str | None) -> bool:
-        if not self.start <= index < self.stop:
+    def serves(self, kind: str, index: int, local: str | None) -> bool:
+        if not self.start <= index < self.stop or (kind == STATE and index != self.stop - 1):
             return False
         return local is None or (local == DISK and self.over_disk)
 
@@ -181,7 +183,7 @@ class GroupLookup:
             if (group, index) not in group_tiers:
                 key = keys.get((group, index)) or group_key(bytes(hashes[index]), group)
                 tier = self.policy.local_tier(key)
-                if span is not None and span.serves(index, tier):
+                if span is not None and span.serves(self.rules[group].kind, index, tier):
                     tier = PEER  # past the local tiers, before S3
                 elif tier is None and s3 is not None and s3.found.get((group, index)):
                     tier = S3
@@ -289,7 +291,9 @@ class GroupLookup:
         """(presence's answer, the blocks a peer serves) for this ask. The presence
         group's local run from `first` says where a peer is asked from, as a one-group
         model's local run does (Lookups._peer_ask_from): where it ends, or at its
-        first disk block where the cost model may expect the peer sooner."""
+        first disk block where the cost model may expect the peer sooner; or before,
+        at the first block another group lacks of those a hit ending with that run
+        needs (an instance that loaded a hit holds only its window's last blocks)."""
         if self.ask_peers is None or self.peer_ask_from is None:
             return earlier, None
         group = self.presence_group
@@ -301,6 +305,14 @@ class GroupLookup:
                 break
             run.append(tier)
         ask_from = self.peer_ask_from(run, first)
+        for other, rule in enumerate(self.rules):
+            if rule.kind == FULL or not run:
+                continue
+            for index in rule.needs(first, first + len(run), self.block_size):
+                key = group_key(bytes(hashes[index]), other)
+                if self.policy.local_tier(key) is None and key not in self.load_failures:
+                    ask_from = min(ask_from, index)
+                    break
         if ask_from >= limit:
             return earlier, None
         answer, found_at = self.ask_peers(earlier, hashes if names is None else names, ask_from, limit)
@@ -328,7 +340,7 @@ class GroupLookup:
                         break  # failed lately: it still ends the prefix
                     del group_tiers[(group, index)]  # holds() asks again, the peer included
                     break
-                if tier == S3 or span.serves(index, tier):
+                if tier == S3 or span.serves(FULL, index, tier):
                     group_tiers[(group, index)] = PEER
 
     def _s3_answer(

@@ -155,3 +155,72 @@ def test_a_holder_that_lost_the_window_block_makes_the_whole_request_compute_its
     finally:
         b.close()
         a.close()
+
+
+def test_a_window_block_missing_before_the_full_attention_run_ends_is_read_from_the_peer(redis_url, model):
+    """b loaded a hit of 6 blocks (the window's blocks 4 and 5 only); a prompt sharing
+    5 of them needs the window's blocks 3 and 4: its block 3 comes from the peer,
+    the rest from b's own CPU tier."""
+    a, b = instance(redis_url, "a", model), instance(redis_url, "b", model)
+    try:
+        hashes, pages = blocks(5)
+        computed(a, hashes, pages)
+        assert not b.serve_groups(hashes).failed
+        b.deliver_reports()
+        served = b.serve_groups(hashes[:5])
+        assert not served.failed
+        assert served.tiers[FULL] == [CPU] * 5
+        assert served.tiers[WINDOW] == [None, None, None, PEER, CPU]
+        assert [bytes(kv) for kv in served.kv[FULL]] == pages[FULL][:5]
+        assert [bytes(kv) for kv in served.kv[WINDOW][3:]] == pages[WINDOW][3:5]
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_state_group_is_planned_from_the_peer_only_where_its_run_ends(redis_url, model):
+    """A linear-attention (Mamba) state is kept only where a prefill stopped: of the
+    holder's run, only its last block's state is planned from it, so the hit ends
+    there; the full-attention blocks before it come from the holder too."""
+    from test_hybrid_groups import spec as vllm_spec
+
+    from tiercache.config import build_config
+    from tiercache.connector.groups import FULL as FULL_KIND
+    from tiercache.connector.groups import STATE as STATE_KIND
+    from tiercache.connector.scheduler import TierCacheScheduler, slot_bytes_for
+    from tiercache.index.keys import KVSpec
+    from tiercache.index.presence import PresencePublisher
+    from tiercache.index.redis_conn import GuardedRedis
+
+    from support.redis_config import PATIENT
+
+    groups = [
+        SimpleNamespace(kv_cache_spec=vllm_spec(kind), layer_names=[f"{kind}.0"])
+        for kind in (FULL_KIND, STATE_KIND)
+    ]
+    kv_cache_config = SimpleNamespace(kv_cache_groups=groups, num_blocks=64)
+    page = slot_bytes_for(kv_cache_config)
+    settings = {
+        "cpu": {"capacity": 32 * page},
+        "redis_url": redis_url,
+        "instance_id": "b",
+        "peer": {"enabled": True},
+    }
+    rank = KVSpec(model, "", "float32", "auto", 32, "cpu::hybrid", 2, 2, 16, 1, 0, "t", page)
+    sched = TierCacheScheduler(build_config(settings, environ={}), [rank], kv_cache_config, worker_count=1)
+    holder = PresencePublisher(GuardedRedis(redis_url, PATIENT), sched.model_digest, "a")
+    try:
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        for block in hashes[:5]:  # the holder's run: 5 of the request's 8 blocks
+            holder.update(block, CPU, True)
+        assert holder.flush()
+        req = SimpleNamespace(
+            request_id="r", block_hashes=hashes, num_tokens=8 * 32 + 1, num_prompt_tokens=8 * 32 + 1
+        )
+        assert sched.get_num_new_matched_tokens(req, 0) == (5 * 32, True)
+        lookup = sched._lookups["r"]
+        assert lookup.peer == "a"
+        assert lookup.plan == [(0, i, PEER) for i in range(5)] + [(1, 4, PEER)]
+    finally:
+        holder.close()
+        sched.close()
