@@ -6,25 +6,48 @@ Every group's blocks are looked up in the local tiers afresh at each ask, and in
 one Redis round trip (RedisIndex.presence) whose answer is reused while the request
 waits, as a one-group model's is (lookup.py). Blocks of the groups that need only some
 of them (a window, a state) are asked about all at once: which of them a hit needs
-depends on where it ends, and asking block by block cost a round trip each."""
+depends on where it ends, and asking block by block cost a round trip each.
+
+With the peer tier, presence (one round trip, reused alike) names the live instance
+whose CPU tier holds the longest run of the presence group's blocks (the first
+full-attention group's: presence lists no other, connector/events.py) from where this
+instance's local run of that group ends. The other groups' blocks at those indexes
+are planned from that instance too, unasked: it computed the same prefix, so it
+stored them, though its CPU tier may have evicted one since. Asking would cost
+presence entries (and Redis memory) for every group of every block; a block the
+holder lacks instead costs one verified miss: the reader checks the holder's
+directory row, slot generation and checksum before it takes a byte, the request's
+load fails whole (a model of several groups cannot fail block by block) and vLLM
+recomputes it, and the block stays out of lookups for a while (load_failures.py), so
+the next lookup plans it from elsewhere or ends the hit before it."""
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 from tiercache.index.redis_conn import RedisUnavailable
 from tiercache.index.redis_index import RedisIndex
 from tiercache.metrics import LOOKUP_BLOCKS
 from tiercache.policy import BlockPolicy
-from tiercache.tiers import CPU, S3
+from tiercache.tiers import CPU, DISK, PEER, S3
 
 from .cost_model import LoadCostModel
 from .groups import FULL, NONE, STATE, GroupRule, best_end, group_key
 from .load_failures import RecentLoadFailures
+
+if TYPE_CHECKING:
+    from .scheduler_state import PeerAnswer
+
+    # Lookups._peer_ask_from and Lookups._ask_peers (lookup.py): a hybrid lookup asks
+    # peers from the same point and reuses presence's answers the same way.
+    PeerAskFrom = Callable[[list[str], int], int]
+    PeerFound = tuple[PeerAnswer, tuple[str, int] | None]
+    AskPeers = Callable[[PeerAnswer | None, Sequence[bytes], int, int], PeerFound]
 
 # (group, index) -> the tier it was found in, None where it was looked for and is not.
 GroupTiers = dict[tuple[int, int], str | None]
@@ -58,6 +81,25 @@ class GroupS3Answer:
 
 
 @dataclass
+class PeerSpan:
+    """The blocks a peer's CPU tier is planned to serve: indexes [start, stop) of every
+    group, from `instance`; in place of this instance's disk blocks there too where
+    `over_disk` (the cost model expects the peer sooner). A state group's block only
+    at `stop - 1`: a holder keeps a state only where its prefill stopped, and its run
+    of this request's blocks ends where its own prompt did or left this one's."""
+
+    instance: str
+    start: int
+    stop: int
+    over_disk: bool
+
+    def serves(self, kind: str, index: int, local: str | None) -> bool:
+        if not self.start <= index < self.stop or (kind == STATE and index != self.stop - 1):
+            return False
+        return local is None or (local == DISK and self.over_disk)
+
+
+@dataclass
 class GroupHit:
     """One ask's answer: the hit ends at `end` (`first` when there is none)."""
 
@@ -66,6 +108,12 @@ class GroupHit:
     plan: GroupPlan
     group_tiers: GroupTiers
     s3: GroupS3Answer | None
+    peer_answer: PeerAnswer | None = None  # presence's answer, reused while the request waits
+    peer: str = ""  # the instance the plan's peer blocks are read from
+
+    def __post_init__(self) -> None:
+        if not any(tier == PEER for _, _, tier in self.plan):
+            self.peer = ""
 
 
 class GroupLookup:
@@ -82,7 +130,13 @@ class GroupLookup:
         rank_digests: list[str],
         cost: LoadCostModel | None,
         reuse_seconds: float,
+        *,
+        presence_group: int = 0,
+        peer_ask_from: PeerAskFrom | None = None,
+        ask_peers: AskPeers | None = None,
     ):
+        """`presence_group`: the group whose blocks presence lists; `peer_ask_from` and
+        `ask_peers`: how a peer is asked (lookup.py), None without the peer tier."""
         self.rules = rules
         self.block_size = block_size
         self.policy = policy
@@ -95,10 +149,24 @@ class GroupLookup:
         self.full_groups = [g for g, rule in enumerate(rules) if rule.kind == FULL]
         # The group whose blocks the cost model counts: one block per index.
         self.primary = next((g for g, rule in enumerate(rules) if rule.kind != STATE), 0)
+        self.presence_group = presence_group
+        self.peer_ask_from = peer_ask_from
+        self.ask_peers = ask_peers
 
-    def look_up(self, hashes, first: int, limit: int, earlier: GroupS3Answer | None) -> GroupHit:
+    def look_up(
+        self,
+        hashes,
+        first: int,
+        limit: int,
+        earlier: GroupS3Answer | None,
+        *,
+        names: Sequence[bytes] | None = None,
+        earlier_peer: PeerAnswer | None = None,
+    ) -> GroupHit:
         """The hit from block `first` on, below `limit`; `earlier`: this request's last
-        S3 answer, reused if it still says all this ask needs."""
+        S3 answer, reused if it still says all this ask needs. `names`: the blocks as
+        presence names them (vLLM's hashes; `hashes` by default); `earlier_peer`: the
+        request's last presence answer, reused alike."""
         LOOKUP_BLOCKS.inc(limit - first)
         group_tiers: GroupTiers = {}
         if any(rule.kind == NONE for rule in self.rules):
@@ -107,28 +175,36 @@ class GroupLookup:
         s3 = None
         if self.s3_index is not None:
             s3 = self._s3_answer(hashes, first, limit, group_tiers, keys, earlier)
+        peer_answer, span = self._peer_span(hashes, names, first, limit, earlier_peer)
+        if span is not None:
+            self._peer_over_full_groups(span, hashes, group_tiers)
 
         def holds(group: int, index: int) -> bool:
             if (group, index) not in group_tiers:
                 key = keys.get((group, index)) or group_key(bytes(hashes[index]), group)
                 tier = self.policy.local_tier(key)
-                if tier is None and s3 is not None and s3.found.get((group, index)):
+                if span is not None and span.serves(self.rules[group].kind, index, tier):
+                    tier = PEER  # past the local tiers, before S3
+                elif tier is None and s3 is not None and s3.found.get((group, index)):
                     tier = S3
                 group_tiers[(group, index)] = None if key in self.load_failures else tier
             return group_tiers[(group, index)] is not None
 
+        def hit(end: int, tiers: list[str], plan: GroupPlan) -> GroupHit:
+            return GroupHit(end, tiers, plan, group_tiers, s3, peer_answer, span.instance if span else "")
+
         end = best_end(self.rules, first, limit, self.block_size, holds)
         if end == first:
-            return GroupHit(first, [], [], group_tiers, s3)
+            return hit(first, [], [])
         tiers = [group_tiers.get((self.primary, i)) or S3 for i in range(first, end)]
         load = len(tiers) if self.cost is None else self.cost.blocks_to_load(tiers, self.block_size)
         plan = self.plan(group_tiers, first, end)
         if load == end - first and self.fits_cpu_tier(plan, hashes):
-            return GroupHit(end, tiers, plan, group_tiers, s3)
+            return hit(end, tiers, plan)
         end = self._cut(hashes, first, end, tiers, group_tiers, holds)
         if end == first:
-            return GroupHit(first, [], [], group_tiers, s3)
-        return GroupHit(end, tiers[: end - first], self.plan(group_tiers, first, end), group_tiers, s3)
+            return hit(first, [], [])
+        return hit(end, tiers[: end - first], self.plan(group_tiers, first, end))
 
     def plan(self, group_tiers: GroupTiers, first: int, end: int) -> GroupPlan:
         """(group, index, tier) of every block a hit ending at `end` loads, by index
@@ -209,6 +285,64 @@ class GroupLookup:
         return self.policy.slots.unpinned_among((group_key(bytes(hashes[index]), group),))
 
     # -- tiers ------------------------------------------------------------------------
+    def _peer_span(
+        self, hashes, names: Sequence[bytes] | None, first: int, limit: int, earlier: PeerAnswer | None
+    ) -> tuple[PeerAnswer | None, PeerSpan | None]:
+        """(presence's answer, the blocks a peer serves) for this ask. The presence
+        group's local run from `first` says where a peer is asked from, as a one-group
+        model's local run does (Lookups._peer_ask_from): where it ends, or at its
+        first disk block where the cost model may expect the peer sooner; or before,
+        at the first block another group lacks of those a hit ending with that run
+        needs (an instance that loaded a hit holds only its window's last blocks)."""
+        if self.ask_peers is None or self.peer_ask_from is None:
+            return earlier, None
+        group = self.presence_group
+        run: list[str] = []
+        for index in range(first, limit):
+            key = group_key(bytes(hashes[index]), group)
+            tier = self.policy.local_tier(key)
+            if tier is None or key in self.load_failures:
+                break
+            run.append(tier)
+        ask_from = self.peer_ask_from(run, first)
+        for other, rule in enumerate(self.rules):
+            if rule.kind == FULL or not run:
+                continue
+            for index in rule.needs(first, first + len(run), self.block_size):
+                key = group_key(bytes(hashes[index]), other)
+                if self.policy.local_tier(key) is None and key not in self.load_failures:
+                    ask_from = min(ask_from, index)
+                    break
+        if ask_from >= limit:
+            return earlier, None
+        answer, found_at = self.ask_peers(earlier, hashes if names is None else names, ask_from, limit)
+        if found_at is None:
+            return answer, None
+        instance, held = found_at
+        stop = ask_from + held
+        on_disk = run[ask_from - first : stop - first].count(DISK)
+        over_disk = bool(on_disk) and self.cost is not None and self.cost.faster(PEER, DISK, on_disk)
+        return answer, PeerSpan(instance, ask_from, stop, over_disk)
+
+    def _peer_over_full_groups(self, span: PeerSpan, hashes, group_tiers: GroupTiers) -> None:
+        """The full-attention groups' blocks `_s3_answer` placed already (their local
+        run, then S3 up to its first miss): a peer's serve those it covers instead of
+        S3, and of disk where it is expected sooner; past the first block that no tier
+        holds, their blocks are looked up afresh."""
+        for group in self.full_groups:
+            for index in range(span.start, span.stop):
+                if (group, index) not in group_tiers:
+                    break
+                tier = group_tiers[(group, index)]
+                if tier is None:
+                    key = group_key(bytes(hashes[index]), group)
+                    if key in self.load_failures:
+                        break  # failed lately: it still ends the prefix
+                    del group_tiers[(group, index)]  # holds() asks again, the peer included
+                    break
+                if tier == S3 or span.serves(FULL, index, tier):
+                    group_tiers[(group, index)] = PEER
+
     def _s3_answer(
         self,
         hashes,

@@ -93,7 +93,8 @@ class LoadPlanning(SchedulerBase):
             log.warning("tiercache: request %s: a KV cache group lacks a block of its hit", req_id)
             for op in ops:
                 self._unplan(op)
-        self._queue_load(state, LoadJob(req_id, ops, is_async), first + count)
+        peer = lookup.peer if any(op.tier == PEER for op in ops) else ""
+        self._queue_load(state, LoadJob(req_id, ops, is_async, peer=peer), first + count)
 
     def _queue_load(self, state: RequestState, job: LoadJob, end: int) -> None:
         """The load goes to the workers with the next step's metadata; the request

@@ -144,9 +144,23 @@ class Lookups(SchedulerBase):
         # from this step's answer only; the S3 part from the request's last answer
         # while that still says.
         earlier = self._lookups.get(request.request_id)
-        hit = self.groups.look_up(hashes, first, limit, earlier.group_s3 if earlier is not None else None)
+        hit = self.groups.look_up(
+            hashes,
+            first,
+            limit,
+            earlier.group_s3 if earlier is not None else None,
+            # Presence names a hybrid model's blocks by vLLM's hash (events.py).
+            names=request.block_hashes,
+            earlier_peer=earlier.peer_answer if earlier is not None else None,
+        )
         cached = self._lookups[request.request_id] = Lookup(
-            num_computed_tokens, hit.tiers, self._step, group_tiers=hit.group_tiers, group_s3=hit.s3
+            num_computed_tokens,
+            hit.tiers,
+            self._step,
+            group_tiers=hit.group_tiers,
+            group_s3=hit.s3,
+            peer=hit.peer,
+            peer_answer=hit.peer_answer,
         )
         cached.hit, cached.plan = hit.tiers, hit.plan
         if hit.end == first:

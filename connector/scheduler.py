@@ -133,6 +133,10 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
         self.group_rules = group_rules(kv_cache_config, self.block_size)
         # A lone sliding-window or Mamba group has null blocks in its table too.
         self.hybrid = len(self.group_rules) > 1 or self.group_rules[0].kind in (WINDOW, STATE)
+        # The group whose blocks presence lists: a hybrid model's first full-attention
+        # one, a router's upper bound of the hit (the service's lookup API).
+        full = [group for group, rule in enumerate(self.group_rules) if rule.kind == FULL]
+        self.presence_group = full[0] if full and self.hybrid else 0
         # Filled, ready and on disk mean: on every rank (see ledger.py).
         self.policy = BlockPolicy(
             slots_for(config.cpu.capacity, self.slot_bytes),
@@ -199,6 +203,9 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             self.rank_digests,
             self.cost,
             S3_LOOKUP_REUSE_SECONDS,
+            presence_group=self.presence_group,
+            peer_ask_from=self._peer_ask_from if self.peers is not None else None,
+            ask_peers=self._ask_peers if self.peers is not None else None,
         )
 
     # -- startup ------------------------------------------------------------------
@@ -265,14 +272,13 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
             )
         if not kv_events and presence is None:
             return None
-        full = [group for group, rule in enumerate(self.group_rules) if rule.kind == FULL]
         events = TierEvents(
             self.policy,
             self.block_size,
             publish=kv_events,
             presence=presence,
             hybrid=self.hybrid,
-            presence_group=full[0] if full and self.hybrid else 0,
+            presence_group=self.presence_group,
         )
         self.policy.watcher = events
         return events
@@ -280,14 +286,12 @@ class TierCacheScheduler(Lookups, LoadPlanning, StorePlanning):
     def _peer_lookup(self) -> PeerLookup | None:
         """Other instances' CPU tiers, where `peer.enabled` asks for them. Holders are
         found through presence, which a model of several KV cache groups publishes for
-        one group only: such a model neither reads from peers nor is read from."""
+        one group only: the others' blocks are planned from the same holder
+        (group_lookup.py)."""
         if not self.config.peer.enabled or self.redis is None:
             return None
         if self.tier_events is None or self.tier_events.presence is None:
             log.warning("tiercache: the peer tier needs presence.enabled: it is off")
-            return None
-        if self.hybrid:
-            log.warning("tiercache: the peer tier serves models of one KV cache group only: it is off")
             return None
         if load_nixl() is None:  # the workers cannot read (warned): plan no peer loads
             return None

@@ -350,7 +350,8 @@ class PeerConfig(_Strict):
         "disk where the loads measured say a peer is faster, past it, and before S3 (needs redis_url, "
         "presence.enabled and the nixl-cu12 package, without which the tier is off "
         "with a warning; instances share blocks only where their block hashes agree: a cryptographic "
-        "prefix_caching_hash_algo, or one PYTHONHASHSEED; models of one KV cache group only)",
+        "prefix_caching_hash_algo, or one PYTHONHASHSEED; for a model of several KV cache groups, every "
+        "group's blocks are read from the instance presence names for the first full-attention group's)",
     )
     host: str | None = Field(
         default=None,
