@@ -54,7 +54,8 @@ class Lookups(SchedulerBase):
         if self.peers is not None:
             ask_from = self._peer_ask_from(tiers, first)
             if ask_from < limit:
-                peer_answer, found_at = self._ask_peers(peer_answer, hashes, ask_from, limit)
+                # Presence names blocks by vLLM's hash, before and after a reset (events.py).
+                peer_answer, found_at = self._ask_peers(peer_answer, request.block_hashes, ask_from, limit)
                 if found_at is not None:
                     peer = found_at[0]
                     tiers = self._with_peer_blocks(tiers, hashes, first, ask_from, found_at[1])
@@ -106,16 +107,18 @@ class Lookups(SchedulerBase):
         return first + len(tiers)
 
     def _ask_peers(
-        self, answer: PeerAnswer | None, hashes, ask_from: int, limit: int
+        self, answer: PeerAnswer | None, names, ask_from: int, limit: int
     ) -> tuple[PeerAnswer, tuple[str, int] | None]:
-        """(the answer, (instance, blocks it holds from `ask_from` on) or None). A
+        """(the answer, (instance, blocks it holds from `ask_from` on) or None), from
+        the blocks' `names` as presence knows them: vLLM's hashes. After a weights
+        reset an instance on other weights may be named for them too; reading its
+        slots by this instance's epoch keys then misses, never takes its KV. A
         waiting request is asked about every step: presence's answer is reused while
         it says, as S3's is."""
         now = time.monotonic()
         if answer is not None and answer.says(ask_from, limit, now):
             return answer, answer.holder_from(ask_from)
-        # Presence names blocks as this scheduler does (keyed by the weights epoch).
-        found_at = self.peers.holder([bytes(h) for h in hashes[ask_from:limit]]) if self.peers else None
+        found_at = self.peers.holder([bytes(h) for h in names[ask_from:limit]]) if self.peers else None
         instance, held = found_at if found_at is not None else (None, 0)
         return PeerAnswer(ask_from, limit, instance, held, now), found_at
 

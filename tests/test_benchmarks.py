@@ -102,7 +102,7 @@ def test_a_median_interval_holds_the_median_and_narrows_with_agreeing_values():
 
     spread = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4]
     low, high = median_interval(spread)
-    assert low < 1.7 < high and 1.0 <= low and high <= 2.4
+    assert low < 1.7 < high and low >= 1.0 and high <= 2.4
     tight_low, tight_high = median_interval([1.69, 1.7, 1.71] * 3)
     assert high - low > tight_high - tight_low
     assert median_interval(spread) == (low, high)  # seeded: one set, one interval

@@ -85,16 +85,18 @@ def test_a_block_loaded_from_a_peer_is_published_as_held_in_the_readers_cpu_tier
         a.close()
 
 
-def test_instances_on_the_same_new_weights_share_and_others_do_not(redis_url, model):
+def test_instances_on_the_same_new_weights_share_and_others_do_not(redis_url, model, monkeypatch):
     """After the same in-place update and prefix-cache reset on every instance (one
-    weights epoch), blocks are named by their epoch keys, in presence too: the peer
-    lookup must ask for those names (it asked for vLLM's raw hashes and found nothing
-    after any reset, as in an RL fleet after every step). An instance on other
-    weights finds nothing."""
+    weights epoch), blocks are cached under their epoch keys, while presence still
+    names them by vLLM's hash (what routers know): the peer lookup asks presence for
+    vLLM's hashes and reads the holder's slots by epoch key. An instance on other
+    weights reads nothing it could use: a miss, never the other weights' KV."""
     a, b, c = (instance(redis_url, name, model) for name in "abc")
     try:
         for driver, epoch in ((a, b"\x01"), (b, b"\x01"), (c, b"\x02")):
-            driver.scheduler._weights_epoch = epoch * 16  # what reset_cache settles on
+            # The fingerprint of the weights each engine holds after the update.
+            monkeypatch.setattr("connector.scheduler.loaded_weights_epoch", lambda epoch=epoch: epoch * 16)
+            assert driver.scheduler.reset_cache() is not False
         hashes, pages = blocks(4)
         assert a.serve(hashes, pages).hits == 0
         a.deliver_reports()
@@ -102,7 +104,9 @@ def test_instances_on_the_same_new_weights_share_and_others_do_not(redis_url, mo
         served = b.serve(hashes)
         assert served.tiers == ["peer"] * BLOCKS
         assert [bytes(kv) for kv in served.kv] == pages
-        assert c.serve(hashes).tiers == [None] * BLOCKS
+        _, other = blocks(5)
+        served = c.serve(hashes, other)
+        assert [bytes(kv) for kv in served.kv] == other  # computed by c, not a's blocks
     finally:
         for driver in (c, b, a):
             driver.close()
