@@ -141,6 +141,20 @@ class VllmServer:
                         found.shm_segments.add(mapping.path)
         return found
 
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started (engine core, workers), as
+        when its node is lost: none of them gets to shut down cleanly (the engine core
+        would on its own if only the front end died). The deepest first."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        tree = [*reversed(root.children(recursive=True)), root]
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(tree, timeout=30)
+        self.process.wait()
+
     def stop(self, timeout: float = 90) -> int:
         """SIGTERM, as an orchestrator stops a pod; SIGKILL only past `timeout`."""
         if self.process.poll() is None:
