@@ -170,7 +170,8 @@ class ConnectorDriver:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         spec = byte_block_spec(model, block_bytes, config.namespace)
-        kv_cache_config = _KVCacheConfig([_KVCacheGroup(_KVSpecOfGroup(block_bytes), [LAYER])], num_blocks)
+        groups = self._kv_cache_groups(block_bytes)
+        kv_cache_config = _KVCacheConfig(groups, num_blocks)
         # Typed as Any: the driver hands the scheduler duck-typed stand-ins for vLLM's
         # request, block, scheduler-output and connector-output objects.
         self.scheduler: Any = TierCacheScheduler(
@@ -185,19 +186,29 @@ class ConnectorDriver:
             tp_rank=0,
             writes_lower_tiers=True,
             disk_share=disk_share,
-            group_layers=[[LAYER]],
+            group_layers=[list(group.layer_names) for group in groups],
         )
-        # The paged KV.
+        # The paged KV, one for every layer (the groups' layers overlay each other).
         self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
-        self.worker.register_kv_caches({LAYER: self.kv}, block_bytes)
+        self.worker.register_kv_caches(
+            {layer: self.kv for group in groups for layer in group.layer_names}, block_bytes
+        )
         if self.worker.engine is None:
             raise RuntimeError(f"the worker did not start: {self.worker.disabled_reason}")
         self._kv_rows = self.kv.numpy()
-        self._free = list(range(num_blocks))
+        self._free = list(range(self._first_free_block, num_blocks))
         self._held: list[int] = []  # the last request's blocks, whose bytes the caller may read
         self._finished: set[str] = set()  # requests finished since the worker's last step
         self._ids = itertools.count()
         self._lock = threading.Lock()  # one request at a time, as one engine core schedules
+
+    # The paged KV's first block a request may take (a hybrid model's driver keeps
+    # vLLM's null block, 0, out of requests).
+    _first_free_block = 0
+
+    def _kv_cache_groups(self, block_bytes: int) -> list[_KVCacheGroup]:
+        """The KV cache groups of the driver's model: one full-attention layer."""
+        return [_KVCacheGroup(_KVSpecOfGroup(block_bytes), [LAYER])]
 
     # -- what the connector holds ----------------------------------------------------
     @property

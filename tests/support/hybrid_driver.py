@@ -9,11 +9,8 @@ which is then computed from its start (connector/load_lifecycle.py)."""
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -23,17 +20,13 @@ from tiercache.connector.driver import (
     BLOCK_SIZE,
     ConnectorDriver,
     _ConnectorOutput,
-    _KVCacheConfig,
     _KVCacheGroup,
     _NewRequest,
     _Request,
     _SchedulerOutput,
-    byte_block_spec,
 )
 from tiercache.connector.groups import NULL_BLOCK, group_key
 from tiercache.connector.metadata import TierCacheMetadata
-from tiercache.connector.scheduler import TierCacheScheduler
-from tiercache.connector.worker import TierCacheWorker
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # full, window
 WINDOW_TOKENS = 2 * BLOCK_SIZE
@@ -67,38 +60,17 @@ def group_specs(block_bytes: int) -> list:
 
 
 class HybridDriver(ConnectorDriver):
+    # vLLM's null block stands for a group's blocks outside its window: no request takes it.
+    _first_free_block = NULL_BLOCK + 1
+
     def __init__(self, config: TierCacheConfig, block_bytes: int, *, model: str, num_blocks: int = 16):
         if block_bytes % (2 * BLOCK_SIZE * 64):
             raise ValueError(f"block_bytes must be a multiple of {2 * BLOCK_SIZE * 64}, got {block_bytes}")
-        self.config = config
-        self.block_bytes = block_bytes
-        self.num_blocks = num_blocks
-        spec = byte_block_spec(model, block_bytes, config.namespace)
+        super().__init__(config, block_bytes, model=model, num_blocks=num_blocks)
+
+    def _kv_cache_groups(self, block_bytes: int) -> list[_KVCacheGroup]:
         specs = zip(group_specs(block_bytes), LAYERS, strict=True)
-        groups = [_KVCacheGroup(group_spec, [layer]) for group_spec, layer in specs]
-        self.scheduler: Any = TierCacheScheduler(
-            config, [spec], cast(Any, _KVCacheConfig(groups, num_blocks)), worker_count=1
-        )
-        self.worker = TierCacheWorker(
-            config,
-            spec,
-            spec.model_digest(),
-            num_blocks,
-            tp_rank=0,
-            writes_lower_tiers=True,
-            disk_share=config.disk.capacity if config.disk else 0,
-            group_layers=[[layer] for layer in LAYERS],
-        )
-        self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
-        self.worker.register_kv_caches({layer: self.kv for layer in LAYERS}, block_bytes)
-        if self.worker.engine is None:
-            raise RuntimeError(f"the worker did not start: {self.worker.disabled_reason}")
-        self._kv_rows = self.kv.numpy()
-        self._free = [b for b in range(num_blocks) if b != NULL_BLOCK]
-        self._held = []
-        self._finished = set()
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
+        return [_KVCacheGroup(group_spec, [layer]) for group_spec, layer in specs]
 
     def serve_groups(self, hashes: list[bytes], pages: list[list[bytes]] | None = None) -> HybridServed:
         """Run one request of these blocks to its end. `pages[g][i]`: what the forward
