@@ -5,19 +5,28 @@ path's copy kernel on Triton's CPU interpreter.
 Two S3 endpoints: `s3_endpoint` is moto (any credentials, fast, for unit tests and
 fault injection); `real_s3_endpoint` is SeaweedFS, a real S3-compatible store that
 checks every request's signature, for the end-to-end tests. Under Docker both are
-the one MinIO container."""
+the one MinIO container.
+
+The deployment-artifact tests (tests/test_deploy_*.py) share the parsed compose file,
+the chart's Chart.yaml, values.yaml and values schema, and the `helm` binary, each read
+once per test module."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
 import uuid
+from typing import Any
 
 import pytest
 
 from tiercache.ops.local_stack import RedisServer, SeaweedS3, create_bucket, start_moto
+
+from support.deploy import CHART, COMPOSE_FILE, interpolate_tree, load_yaml
+from support.helm import helm_binary
 
 
 def _docker_available() -> bool:
@@ -119,3 +128,37 @@ def interpreted(monkeypatch):
     yield
     monkeypatch.delenv("TRITON_INTERPRET")
     importlib.reload(fused_copy)
+
+
+# --------------------------------------------------------------- deployment artifacts
+
+
+@pytest.fixture(scope="module")
+def compose_raw() -> dict[str, Any]:
+    return load_yaml(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def compose(compose_raw: dict[str, Any]) -> dict[str, Any]:
+    """The compose file as `docker compose` sees it with no variables set: all defaults."""
+    return interpolate_tree(compose_raw, {})
+
+
+@pytest.fixture(scope="module")
+def chart() -> dict[str, Any]:
+    return load_yaml(CHART / "Chart.yaml")
+
+
+@pytest.fixture(scope="module")
+def values() -> dict[str, Any]:
+    return load_yaml(CHART / "values.yaml")
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return str(helm_binary())

@@ -258,7 +258,7 @@ prometheus.io/path: /metrics
 
 {{/*
 How many TCP ports from tiercache.peer.port each vLLM pod's NIXL agents listen in:
-PEER_PORT_SPAN in tiercache/config.py (tests/test_deploy_artifacts.py checks they agree).
+PEER_PORT_SPAN in tiercache/config.py (tests/test_deploy_chart_peer.py checks they agree).
 */}}
 {{- define "tiercache.peerPortSpan" -}}
 100
