@@ -171,6 +171,7 @@ class ConnectorDriver:
         self.num_blocks = num_blocks
         spec = byte_block_spec(model, block_bytes, config.namespace)
         groups = self._kv_cache_groups(block_bytes)
+        self._layers = [layer for group in groups for layer in group.layer_names]
         kv_cache_config = _KVCacheConfig(groups, num_blocks)
         # Typed as Any: the driver hands the scheduler duck-typed stand-ins for vLLM's
         # request, block, scheduler-output and connector-output objects.
@@ -362,18 +363,27 @@ class ConnectorDriver:
             if job.req_id == req_id:
                 for i, op in enumerate(job.ops[: len(tiers)]):
                     tiers[i] = op.tier or None
+        done, _, failed = self._hooks(meta)
+        return done, failed
+
+    def _hooks(self, meta: TierCacheMetadata) -> tuple[set[str], set[str], set[int]]:
+        """The step's hooks on the worker, every layer's, then its output to the
+        scheduler: (requests whose load is over, those failed whole, blocks failed)."""
         worker = self.worker
         worker.track(meta)
         worker.step_arrives(meta)
         worker.start_load_kv(meta)
-        worker.wait_for_layer(LAYER)
-        worker.save_layer(LAYER, meta)
+        for layer in self._layers:
+            worker.wait_for_layer(layer)
+            worker.save_layer(layer, meta)
         worker.wait_for_save(meta)
         finished, self._finished = self._finished, set()
-        done = worker.get_finished(finished) | worker.take_failed_requests()
+        done = worker.get_finished(finished)  # ends the loads whose staging is over
+        failed_requests = worker.take_failed_requests()
+        done |= failed_requests
         failed = worker.take_failed_blocks()
         self.scheduler.update_connector_output(_ConnectorOutput(worker.take_worker_meta(), done))
-        return done, failed
+        return done, failed_requests, failed
 
     def _release_held(self) -> None:
         self._free.extend(self._held)

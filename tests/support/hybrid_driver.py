@@ -19,7 +19,6 @@ from tiercache.config import TierCacheConfig
 from tiercache.connector.driver import (
     BLOCK_SIZE,
     ConnectorDriver,
-    _ConnectorOutput,
     _KVCacheGroup,
     _NewRequest,
     _Request,
@@ -133,20 +132,8 @@ class HybridDriver(ConnectorDriver):
                     for group, table in enumerate(tables):
                         if op.gpu_block in table:
                             tiers[group][table.index(op.gpu_block)] = op.tier or None
-        worker = self.worker
-        worker.track(meta)
-        worker.step_arrives(meta)
-        worker.start_load_kv(meta)
-        for layer in LAYERS:
-            worker.wait_for_layer(layer)
-            worker.save_layer(layer, meta)
-        worker.wait_for_save(meta)
-        finished, self._finished = self._finished, set()
-        done = worker.get_finished(finished)  # ends the loads whose staging is over
-        failed = worker.take_failed_requests()
-        done |= failed
-        assert not worker.take_failed_blocks(), "a model of several groups fails whole requests only"
-        self.scheduler.update_connector_output(_ConnectorOutput(worker.take_worker_meta(), done))
+        done, failed, failed_blocks = self._hooks(meta)
+        assert not failed_blocks, "a model of several groups fails whole requests only"
         return req_id in done, req_id in failed
 
 
