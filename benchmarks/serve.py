@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +466,20 @@ def summarize(result: dict[str, Any], delta: dict[str, float]) -> dict[str, Any]
 
 
 # -- the run ---------------------------------------------------------------------------
+# A ratio's name in a summary's ratios, and the figure of the summary it divides.
+RATIO_FIGURES = {
+    "ttft_mean": "ttft_mean_s",
+    "ttft_p90": "ttft_p90_s",
+    "request_throughput": "request_throughput",
+    "output_throughput": "output_throughput",
+}
+
+
+def ratios(summary: dict[str, Any], baseline: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
+    """Each named figure of a run's summary over the same figure of a baseline's."""
+    return {name: summary[RATIO_FIGURES[name]] / baseline[RATIO_FIGURES[name]] for name in names}
+
+
 def add_ratios(data: dict[str, Any]) -> None:
     """Each config's figures against (a) prefix cache only, and tiercache's against LMCache."""
     configs = data["configs"]
@@ -476,23 +490,16 @@ def add_ratios(data: dict[str, Any]) -> None:
             s = t["summary"]
             if trace in base:
                 b = base[trace]["summary"]
-                s["vs_prefix_cache"] = {
-                    "ttft_mean": s["ttft_mean_s"] / b["ttft_mean_s"],
-                    "ttft_p90": s["ttft_p90_s"] / b["ttft_p90_s"],
-                    "request_throughput": s["request_throughput"] / b["request_throughput"],
-                    "output_throughput": s["output_throughput"] / b["output_throughput"],
-                }
+                s["vs_prefix_cache"] = ratios(
+                    s, b, ("ttft_mean", "ttft_p90", "request_throughput", "output_throughput")
+                )
                 texts = base[trace]["generated_texts"]
                 s["same_output_as_prefix_cache"] = sum(
                     a == x for a, x in zip(t["generated_texts"], texts, strict=True)
                 )
             if trace in peer and name.startswith("tiercache"):
                 p = peer[trace]["summary"]
-                s["vs_lmcache"] = {
-                    "ttft_mean": s["ttft_mean_s"] / p["ttft_mean_s"],
-                    "request_throughput": s["request_throughput"] / p["request_throughput"],
-                    "output_throughput": s["output_throughput"] / p["output_throughput"],
-                }
+                s["vs_lmcache"] = ratios(s, p, ("ttft_mean", "request_throughput", "output_throughput"))
 
 
 def git_state() -> dict[str, Any]:
@@ -583,65 +590,77 @@ def table(data: dict[str, Any]) -> str:
         "| x(a) mean TTFT | x(a) p90 | x(a) req/s | x(a) tok/s | x LMCache req/s |",
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for trace in TRACES:
-        for name in CONFIGS:
-            cfg = data["configs"].get(name)
-            if cfg is None:
-                continue
-            if "error" in cfg:
-                lines.append(f"| {trace} | {LABELS[name]} | failed: {cfg['error'][:120]} |")
-                continue
-            t = cfg["traces"].get(trace)
-            if t is None:
-                continue
-            s = t["summary"]
-            h = s["hit_tokens_by_source"]
-            r = s.get("vs_prefix_cache", {})
-            lm = s.get("vs_lmcache", {})
-            c = s["counters"]
-            tiers = ("cpu", "disk", "s3")
-            loaded = " / ".join(f"{c[f'tiercache_loaded_blocks_{t}']:.0f}" for t in tiers)
-            loaded = loaded if name.startswith("tiercache") else "-"
-
-            def x(d: dict, k: str) -> str:
-                return f"{d[k]:.2f}" if k in d else "-"
-
-            lines.append(
-                f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
-                f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
-                f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['disk']:.0f} / {h['external']:.0f} "
-                f"| {loaded} "
-                f"| {s['hit_rate']:.2f} | {x(r, 'ttft_mean')} | {x(r, 'ttft_p90')} "
-                f"| {x(r, 'request_throughput')} | {x(r, 'output_throughput')} "
-                f"| {x(lm, 'request_throughput')} |"
-            )
+    for trace, name, s in summaries(data, "configs", CONFIGS, LABELS, lines):
+        h = s["hit_tokens_by_source"]
+        r = s.get("vs_prefix_cache", {})
+        lm = s.get("vs_lmcache", {})
+        c = s["counters"]
+        tiers = ("cpu", "disk", "s3")
+        loaded = " / ".join(f"{c[f'tiercache_loaded_blocks_{t}']:.0f}" for t in tiers)
+        loaded = loaded if name.startswith("tiercache") else "-"
+        lines.append(
+            f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
+            f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
+            f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['disk']:.0f} / {h['external']:.0f} "
+            f"| {loaded} "
+            f"| {s['hit_rate']:.2f} | {ratio(r, 'ttft_mean')} | {ratio(r, 'ttft_p90')} "
+            f"| {ratio(r, 'request_throughput')} | {ratio(r, 'output_throughput')} "
+            f"| {ratio(lm, 'request_throughput')} |"
+        )
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help="comma separated, of " + ", ".join(CONFIGS)
-    )
-    parser.add_argument("--traces", default=",".join(TRACES), help="comma separated, of " + ", ".join(TRACES))
+def summaries(
+    data: dict[str, Any], section: str, names: list[str], labels: dict[str, str], lines: list[str]
+) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(trace, name, the trace's summary) of each run of `data[section]`, in a table's
+    order (trace, then `names`); a run that failed gets its row in `lines` instead."""
+    for trace in TRACES:
+        for name in names:
+            cfg = data[section].get(name)
+            if cfg is None:
+                continue
+            if "error" in cfg:
+                lines.append(f"| {trace} | {labels[name]} | failed: {cfg['error'][:120]} |")
+                continue
+            t = cfg["traces"].get(trace)
+            if t is not None:
+                yield trace, name, t["summary"]
+
+
+def ratio(ratios: dict[str, float], key: str) -> str:
+    """One ratio of a table's row, "-" where the run has none."""
+    return f"{ratios[key]:.2f}" if key in ratios else "-"
+
+
+def add_trace_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    traces: list[str],
+    output_len: int,
+    prefixes: int,
+    requests: int,
+    users: int,
+) -> None:
+    """The traces run and their shape (vLLM's benchmark client), with a script's defaults."""
+    parser.add_argument("--traces", default=",".join(traces), help="comma separated, of " + ", ".join(TRACES))
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients (--max-concurrency)")
-    parser.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
-    parser.add_argument("--prefixes", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=output_len, help="tokens generated per request")
+    parser.add_argument("--prefixes", type=int, default=prefixes)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=48, help="prefix_repetition requests")
-    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=requests, help="prefix_repetition requests")
+    parser.add_argument("--users", type=int, default=users)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--context-len", type=int, default=1024, help="each user's first context")
     parser.add_argument("--message-len", type=int, default=64)
     parser.add_argument(
         "--reply-len", type=int, default=32, help="the synthetic reply before each later turn"
     )
-    parser.add_argument("--kv-blocks", type=int, default=160, help="vLLM's KV cache, in 32-token blocks")
-    parser.add_argument("--cpu-blocks", type=int, default=320, help="tiercache CPU tier and LMCache L1")
-    parser.add_argument("--disk-blocks", type=int, default=1024, help="tiercache disk tier")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, name: str, workdir: str, quiet_wait: float) -> None:
+    """Where a run works and saves, and how it starts: every serving script's."""
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -652,24 +671,53 @@ def main() -> None:
         help="a tiercache setting for every tiercache config, dotted: disk.load_in_forward=false",
     )
     parser.add_argument("--reserved-cpus", type=int, default=1, help="where moto and redis-server run")
-    parser.add_argument("--quiet-wait", type=float, default=1800, help="longest wait for foreign vLLM to end")
-    parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
-    parser.add_argument("--workdir", default="/tmp/tiercache-bench-serve")
-    parser.add_argument("--name", default="serve", help="results file under benchmarks/results/")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=quiet_wait, help="longest wait for foreign vLLM to end"
+    )
+    parser.add_argument("--workdir", default=workdir)
+    parser.add_argument("--name", default=name, help="results file under benchmarks/results/")
     parser.add_argument("--smoke", action="store_true", help="a small trace: try the set-up, not a result")
     parser.add_argument("--table", action="store_true", help="print a saved run's table (--name), and exit")
-    args = parser.parse_args()
-    args.configs = args.configs.split(",")
-    args.traces = args.traces.split(",")
+
+
+def run_and_report(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    *,
+    default_name: str,
+    smoke_users: int,
+) -> None:
+    """--table: print a saved run's table; else run (a small trace with --smoke, saved
+    apart unless --name says where), save and print the table."""
     if args.table:
         print(table(json.loads((RESULTS / f"{args.name}.json").read_text())))
         return
     if args.smoke:
-        args.prefixes, args.requests, args.users, args.turns = 4, 8, 4, 2
-        args.name = args.name if args.name != "serve" else "serve-smoke"
+        args.prefixes, args.requests, args.users, args.turns = 4, 8, smoke_users, 2
+        args.name = args.name if args.name != default_name else f"{default_name}-smoke"
     data = run(args)
     save(args.name, data)
     print(table(data))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma separated, of " + ", ".join(CONFIGS)
+    )
+    add_trace_arguments(parser, traces=TRACES, output_len=32, prefixes=16, requests=48, users=16)
+    parser.add_argument("--kv-blocks", type=int, default=160, help="vLLM's KV cache, in 32-token blocks")
+    parser.add_argument("--cpu-blocks", type=int, default=320, help="tiercache CPU tier and LMCache L1")
+    parser.add_argument("--disk-blocks", type=int, default=1024, help="tiercache disk tier")
+    add_run_arguments(parser, name="serve", workdir="/tmp/tiercache-bench-serve", quiet_wait=1800)
+    parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
+    args = parser.parse_args()
+    args.configs = args.configs.split(",")
+    args.traces = args.traces.split(",")
+    run_and_report(args, run, table, default_name="serve", smoke_users=4)
 
 
 if __name__ == "__main__":

@@ -38,18 +38,24 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RESULTS, CpuMonitor, save, service_cpus, versions  # noqa: E402
+from harness import CpuMonitor, service_cpus, versions  # noqa: E402
 from serve import (  # noqa: E402
     BLOCK,
     COUNTERS,
     ENV,
     KV_BLOCK_BYTES,
+    add_run_arguments,
+    add_trace_arguments,
     client_args,
     prepare_run,
+    ratio,
+    ratios,
+    run_and_report,
     run_client,
     run_each,
     server_args,
     settle,
+    summaries,
     summarize,
     tiercache_env,
     turns_sent_early,
@@ -279,11 +285,7 @@ def add_ratios(data: dict[str, Any]) -> None:
             s = t["summary"]
             if trace in base:
                 b = base[trace]["summary"]
-                s["vs_alone"] = {
-                    "ttft_mean": s["ttft_mean_s"] / b["ttft_mean_s"],
-                    "ttft_p90": s["ttft_p90_s"] / b["ttft_p90_s"],
-                    "request_throughput": s["request_throughput"] / b["request_throughput"],
-                }
+                s["vs_alone"] = ratios(s, b, ("ttft_mean", "ttft_p90", "request_throughput"))
             c = s["counters"]
             blocks = c["tiercache_loaded_blocks_peer"]
             if blocks:
@@ -331,46 +333,25 @@ def table(data: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     notes = []
-    for trace in TRACES:
-        for name in SETTINGS:
-            cfg = data["settings"].get(name)
-            if cfg is None:
-                continue
-            if "error" in cfg:
-                lines.append(f"| {trace} | {LABELS[name]} | failed: {cfg['error'][:120]} |")
-                continue
-            t = cfg["traces"].get(trace)
-            if t is None:
-                continue
-            s, c = t["summary"], t["summary"]["counters"]
-            h, r = s["hit_tokens_by_source"], s.get("vs_alone", {})
-            loaded = " / ".join(
-                f"{c[f'tiercache_loaded_blocks_{tier}']:.0f}" for tier in ("cpu", "s3", "peer")
+    for trace, name, s in summaries(data, "settings", SETTINGS, LABELS, lines):
+        c, h, r = s["counters"], s["hit_tokens_by_source"], s.get("vs_alone", {})
+        loaded = " / ".join(f"{c[f'tiercache_loaded_blocks_{tier}']:.0f}" for tier in ("cpu", "s3", "peer"))
+        lines.append(
+            f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
+            f"| {s['request_throughput']:.3f} "
+            f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['external']:.0f} | {loaded} "
+            f"| {ratio(r, 'ttft_mean')} | {ratio(r, 'ttft_p90')} | {ratio(r, 'request_throughput')} |"
+        )
+        if p := s.get("peer_link_arithmetic"):
+            notes.append(
+                f"{trace}, {LABELS[name]}: {p['peer_blocks']:.0f} blocks from the peer, "
+                f"{p['bytes_per_block'] / 2**10:.0f} KiB each. Arithmetic, not measured: a "
+                f"{p['prefix_blocks']}-block prefix hit would take "
+                + ", ".join(f"{p[f'ms_per_prefix_hit_at_{g}gbps']:.2f} ms at {g} Gbps" for g in LINKS_GBPS)
+                + "; all the run's peer bytes "
+                + ", ".join(f"{p[f'ms_all_peer_bytes_at_{g}gbps']:.1f} ms at {g} Gbps" for g in LINKS_GBPS)
+                + " (line rate, no protocol cost)."
             )
-
-            def x(d: dict, k: str) -> str:
-                return f"{d[k]:.2f}" if k in d else "-"
-
-            lines.append(
-                f"| {trace} | {LABELS[name]} | {s['ttft_mean_s'] * 1000:.0f} | {s['ttft_p90_s'] * 1000:.0f} "
-                f"| {s['request_throughput']:.3f} "
-                f"| {h['vllm_prefix_cache']:.0f} / {h['cpu']:.0f} / {h['external']:.0f} | {loaded} "
-                f"| {x(r, 'ttft_mean')} | {x(r, 'ttft_p90')} | {x(r, 'request_throughput')} |"
-            )
-            if p := s.get("peer_link_arithmetic"):
-                notes.append(
-                    f"{trace}, {LABELS[name]}: {p['peer_blocks']:.0f} blocks from the peer, "
-                    f"{p['bytes_per_block'] / 2**10:.0f} KiB each. Arithmetic, not measured: a "
-                    f"{p['prefix_blocks']}-block prefix hit would take "
-                    + ", ".join(
-                        f"{p[f'ms_per_prefix_hit_at_{g}gbps']:.2f} ms at {g} Gbps" for g in LINKS_GBPS
-                    )
-                    + "; all the run's peer bytes "
-                    + ", ".join(
-                        f"{p[f'ms_all_peer_bytes_at_{g}gbps']:.1f} ms at {g} Gbps" for g in LINKS_GBPS
-                    )
-                    + " (line rate, no protocol cost)."
-                )
     return "\n".join(lines + [""] + notes)
 
 
@@ -381,46 +362,19 @@ def main() -> None:
     parser.add_argument(
         "--settings", default=",".join(SETTINGS), help="comma separated, of " + ", ".join(SETTINGS)
     )
-    parser.add_argument(
-        "--traces", default="prefix_repetition", help="comma separated, of " + ", ".join(TRACES)
+    # Users odd, so that round robin sends each user's next turn to the other engine.
+    add_trace_arguments(
+        parser, traces=["prefix_repetition"], output_len=16, prefixes=12, requests=36, users=11
     )
-    parser.add_argument("--clients", type=int, default=4, help="concurrent clients (--max-concurrency)")
-    parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
-    parser.add_argument("--prefixes", type=int, default=12)
-    parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--suffix-len", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=36, help="prefix_repetition requests")
-    # Odd, so that round robin sends each user's next turn to the other engine.
-    parser.add_argument("--users", type=int, default=11)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--context-len", type=int, default=1024, help="each user's first context")
-    parser.add_argument("--message-len", type=int, default=64)
-    parser.add_argument("--reply-len", type=int, default=32)
     parser.add_argument(
         "--kv-blocks", type=int, default=96, help="each engine's KV cache, in 32-token blocks"
     )
     parser.add_argument("--cpu-blocks", type=int, default=320, help="each engine's tiercache CPU tier")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiercache-set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--reserved-cpus", type=int, default=1, help="where moto and redis-server run")
-    parser.add_argument("--quiet-wait", type=float, default=600, help="longest wait for foreign vLLM to end")
-    parser.add_argument("--workdir", default="/tmp/tiercache-bench-serve-pair")
-    parser.add_argument("--name", default="serve_pair", help="results file under benchmarks/results/")
-    parser.add_argument("--smoke", action="store_true", help="a small trace: try the set-up, not a result")
-    parser.add_argument("--table", action="store_true", help="print a saved run's table (--name), and exit")
+    add_run_arguments(parser, name="serve_pair", workdir="/tmp/tiercache-bench-serve-pair", quiet_wait=600)
     args = parser.parse_args()
     args.settings = args.settings.split(",")
     args.traces = args.traces.split(",")
-    if args.table:
-        print(table(json.loads((RESULTS / f"{args.name}.json").read_text())))
-        return
-    if args.smoke:
-        args.prefixes, args.requests, args.users, args.turns = 4, 8, 3, 2
-        args.name = args.name if args.name != "serve_pair" else "serve_pair-smoke"
-    data = run(args)
-    save(args.name, data)
-    print(table(data))
+    run_and_report(args, run, table, default_name="serve_pair", smoke_users=3)
 
 
 if __name__ == "__main__":
