@@ -118,19 +118,9 @@ def instance_prefixes(
     """Per live instance, how many leading `block_hashes` it holds in CPU, on disk and
     in either: two round trips (the instance list, then one script over all of them).
     Raises RedisUnavailable."""
-    instances = live_instances(redis, model_digest)
-    if not instances or not block_hashes:
-        return [InstancePrefix(name, 0, 0, 0) for name in instances]
-    width = len(block_hashes[0])
-    cut = next((i for i, h in enumerate(block_hashes) if len(h) != width), len(block_hashes))
-    blob = b"".join(block_hashes[:cut])
-    keys = [presence_key(model_digest, name) for name in instances]
-    script = redis.script(_LOOKUP)
-    counts = redis.call("presence", lambda: script(keys=keys, args=[width, blob]))
-    return [
-        InstancePrefix(name, int(counts[3 * i]), int(counts[3 * i + 1]), int(counts[3 * i + 2]))
-        for i, name in enumerate(instances)
-    ]
+    if not block_hashes:  # every count is 0: no script to run
+        return [InstancePrefix(name, 0, 0, 0) for name in live_instances(redis, model_digest)]
+    return instance_prefixes_and_ttls(redis, model_digest, block_hashes, lambda _: ())[0]
 
 
 def instance_prefixes_and_ttls(
