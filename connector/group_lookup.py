@@ -297,13 +297,8 @@ class GroupLookup:
         if self.ask_peers is None or self.peer_ask_from is None:
             return earlier, None
         group = self.presence_group
-        run: list[str] = []
-        for index in range(first, limit):
-            key = group_key(bytes(hashes[index]), group)
-            tier = self.policy.local_tier(key)
-            if tier is None or key in self.load_failures:
-                break
-            run.append(tier)
+        keys = (group_key(bytes(hashes[index]), group) for index in range(first, limit))
+        run = self.policy.local_run(keys, self.load_failures)
         ask_from = self.peer_ask_from(run, first)
         for other, rule in enumerate(self.rules):
             if rule.kind == FULL or not run:

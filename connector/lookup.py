@@ -39,13 +39,7 @@ class Lookups(SchedulerBase):
         # the last ask is seen); the S3 part from the request's last answer while
         # that still says (a waiting request is asked about every step).
         earlier = self._lookups.get(request.request_id)
-        tiers = []
-        for i in range(first, limit):
-            block = bytes(hashes[i])
-            tier = self.policy.local_tier(block)
-            if tier is None or block in self.load_failures:
-                break
-            tiers.append(tier)
+        tiers = self.policy.local_run((bytes(hashes[i]) for i in range(first, limit)), self.load_failures)
         rest = first + len(tiers)
         # Then another live instance's CPU tier (the peer tier), in place of this
         # instance's disk where the cost model expects the peer faster, then S3.

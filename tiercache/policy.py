@@ -15,6 +15,7 @@ and the instance's presence in Redis (connector/events.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from tiercache.admission import Admission
@@ -60,6 +61,12 @@ class TierWatcher(Protocol):
         """`block` can no longer be read from `tier` (evicted, failed, gone, cleared)."""
 
 
+class FailedLately(Protocol):
+    """Blocks whose load failed lately (connector/load_failures.py): a lookup leaves them out."""
+
+    def __contains__(self, block: bytes) -> bool: ...
+
+
 class BlockPolicy:
     """`admission` (the `selective` mover policy, tiercache/admission.py): the CPU tier
     is a segmented LRU, and an evicted block is written down only to the tiers that
@@ -92,6 +99,17 @@ class BlockPolicy:
         if block in self.on_disk:
             return DISK
         return None
+
+    def local_run(self, blocks: Iterable[bytes], failed: FailedLately) -> list[str]:
+        """The tier of each leading block of `blocks` a local tier holds, up to the first
+        none holds or whose load failed lately (in `failed`): a lookup's local hit."""
+        run = []
+        for block in blocks:
+            tier = self.local_tier(block)
+            if tier is None or block in failed:
+                break
+            run.append(tier)
+        return run
 
     def filling(self, block: bytes) -> bool:
         """A store or a staging holds a slot for it that is not filled yet."""
